@@ -1,0 +1,111 @@
+"""Kafka message format: one event, or an envelope of events bound for one partition.
+
+A message value is JSON. Either a single event object, or::
+
+    {"envelope_version": 1, "events": [event, event, ...]}
+
+Every event in an envelope must hash (by ``run_id``) to the partition the message is
+on, so a run's events stay ordered. Envelopes exist because per-message overhead caps
+throughput (kafka-python sends ~8.6k messages/s per process here).
+
+Decoding never raises: what cannot be read comes back as :class:`DeadLetter` with a
+reason, so one bad event in an envelope does not cost its neighbours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from pydantic import ValidationError
+
+from ingest.events import EventBase, parse_event
+
+ENVELOPE_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """Input that could not become an event, kept verbatim with why."""
+
+    reason: str
+    payload: bytes
+    run_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    events: list[EventBase]
+    dead: list[DeadLetter]
+
+
+def encode_event(event: EventBase) -> bytes:
+    return orjson.dumps(event.model_dump(mode="json", exclude_none=True))
+
+
+def encode_envelope(events: list[EventBase]) -> bytes:
+    """One message for many events; use :func:`encode_event` for a single one."""
+    return orjson.dumps(
+        {
+            "envelope_version": ENVELOPE_VERSION,
+            "events": [event.model_dump(mode="json", exclude_none=True) for event in events],
+        }
+    )
+
+
+def _validation_reason(exc: ValidationError) -> str:
+    parts = []
+    for error in exc.errors()[:5]:
+        where = ".".join(str(p) for p in error["loc"]) or "event"
+        parts.append(f"{where}: {error['msg']}")
+    return "schema violation: " + "; ".join(parts)
+
+
+def decode_one(item: Any) -> EventBase | DeadLetter:
+    raw = orjson.dumps(item) if not isinstance(item, bytes) else item
+    if not isinstance(item, dict):
+        return DeadLetter("not a JSON object", raw)
+    run_id = str(item.get("run_id", ""))[:256]
+    try:
+        return parse_event(item)
+    except ValidationError as exc:
+        return DeadLetter(_validation_reason(exc), raw, run_id)
+
+
+def decode_message(value: bytes | None, max_bytes: int) -> Decoded:
+    """Decode a message value into events and dead letters (never raises).
+
+    >>> d = decode_message(b'{"envelope_version":1,"events":[{"event_type":"step",'
+    ...     b'"run_id":"r","agent":"a","step":1},{"event_type":"nope"}]}', 10_000)
+    >>> [e.event_type for e in d.events], d.dead[0].reason[:16]
+    (['step'], 'schema violation')
+    """
+    if value is None:
+        return Decoded([], [DeadLetter("empty message (no value)", b"")])
+    if len(value) > max_bytes:
+        return Decoded(
+            [], [DeadLetter(f"oversized message: {len(value)} bytes > {max_bytes}", value)]
+        )
+    try:
+        body = orjson.loads(value)
+    except orjson.JSONDecodeError as exc:
+        return Decoded([], [DeadLetter(f"malformed JSON: {exc}", value)])
+    if isinstance(body, dict) and "events" in body and "event_type" not in body:
+        version = body.get("envelope_version")
+        if version != ENVELOPE_VERSION:
+            return Decoded([], [DeadLetter(f"unsupported envelope_version {version!r}", value)])
+        items = body["events"]
+        if not isinstance(items, list):
+            return Decoded([], [DeadLetter("envelope 'events' is not a list", value)])
+    else:
+        items = [body]
+    events: list[EventBase] = []
+    dead: list[DeadLetter] = []
+    for item in items:
+        result = decode_one(item)
+        if isinstance(result, DeadLetter):
+            dead.append(result)
+        else:
+            events.append(result)
+    return Decoded(events, dead)

@@ -1,0 +1,144 @@
+"""Settings, read once at the edge (CLI entry) and passed down frozen.
+
+Every knob has an environment variable ``LOOPWATCH_<NAME>``; a TOML/env file can be
+named with ``LOOPWATCH_CONFIG_FILE``. With no settings at all loopwatch runs the
+embedded stack: a Tansu broker on a free loopback port and chdb under the data dir.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_data_dir() -> Path:
+    """Per-user default: ``$XDG_DATA_HOME/loopwatch`` or ``~/.local/share/loopwatch``."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "loopwatch"
+
+
+class LoopDetectorSettings(BaseSettings):
+    """Same tool with the same args hash ``repeats`` times within ``window`` steps."""
+
+    model_config = SettingsConfigDict(frozen=True)
+
+    window: int = Field(10, ge=2)
+    repeats: int = Field(3, ge=2)
+
+
+class Settings(BaseSettings):
+    """All of loopwatch's configuration; frozen so nothing changes it after start-up."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="LOOPWATCH_",
+        env_nested_delimiter="__",
+        frozen=True,
+        extra="ignore",
+    )
+
+    data_dir: Path = Field(default_factory=default_data_dir)
+    kafka_bootstrap: str | None = Field(
+        None, description="host:port[,host:port]; unset = start the embedded broker"
+    )
+    clickhouse_url: str | None = Field(
+        None, description="http(s)://user:pass@host:port/db; unset = embedded chdb"
+    )
+    database: str = "loopwatch"
+    events_topic: str = "loopwatch.events"
+    deadletter_topic: str = "loopwatch.deadletter"
+    partitions: int = Field(8, ge=1, le=1024)
+    consumer_group: str = "loopwatch-processors"
+
+    batch_max_events: int = Field(2000, ge=1)
+    batch_max_wait_s: float = Field(0.5, gt=0)
+    max_message_bytes: int = Field(1_000_000, ge=1024)
+
+    late_allowance_s: float = Field(
+        5.0, ge=0, description="how far behind the newest event time a late event may be"
+    )
+    idle_advance_s: float = Field(
+        10.0, gt=0, description="with no events for this long, event time follows the clock"
+    )
+    abandon_ttl_s: float = Field(
+        1800.0, gt=0, description="no run.end this long (event time) after the last event"
+    )
+    abandon_ttl_by_task_type: dict[str, float] = Field(default_factory=dict)
+    label_window_s: float = Field(
+        86400.0, gt=0, description="closed runs stay in processor state this long for labels"
+    )
+    loop: LoopDetectorSettings = Field(default_factory=LoopDetectorSettings)
+    loop_by_task_type: dict[str, LoopDetectorSettings] = Field(default_factory=dict)
+    near_miss_factor: float = Field(1.3, gt=1.0)
+    cost_mismatch_tolerance: float = Field(
+        0.01, ge=0, description="relative difference between reported and priced cost"
+    )
+
+    spool_max_bytes: int = Field(256 * 1024 * 1024, ge=1024)
+    sink_retry_s: float = Field(1.0, gt=0)
+    service_host: str = "127.0.0.1"
+    service_port: int = Field(0, ge=0, le=65535, description="0 = a free port")
+    session_timeout_s: float = Field(10.0, gt=0)
+
+    @field_validator("clickhouse_url")
+    @classmethod
+    def _http_only(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError(
+                "LOOPWATCH_CLICKHOUSE_URL must start with http:// or https:// "
+                f"(got {value!r}); leave it unset to use the embedded chdb store"
+            )
+        return value
+
+    @field_validator("kafka_bootstrap")
+    @classmethod
+    def _host_port(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        for part in value.split(","):
+            host, _, port = part.strip().rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(
+                    f"LOOPWATCH_KAFKA_BOOTSTRAP must be host:port[,host:port] (got {value!r})"
+                )
+        return value
+
+    @model_validator(mode="after")
+    def _absolute_data_dir(self) -> Settings:
+        object.__setattr__(self, "data_dir", self.data_dir.expanduser().resolve())
+        return self
+
+    @property
+    def embedded_store(self) -> bool:
+        return self.clickhouse_url is None
+
+    @property
+    def chdb_path(self) -> Path:
+        return self.data_dir / "chdb"
+
+    @property
+    def spool_dir(self) -> Path:
+        return self.data_dir / "spool"
+
+    @property
+    def service_file(self) -> Path:
+        """Where a running ``loopwatch up`` publishes its store-service address."""
+        return self.data_dir / "service.json"
+
+    def abandon_ttl_for(self, task_type: str) -> float:
+        return self.abandon_ttl_by_task_type.get(task_type, self.abandon_ttl_s)
+
+    def loop_for(self, task_type: str) -> LoopDetectorSettings:
+        return self.loop_by_task_type.get(task_type, self.loop)
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Build settings from the environment plus explicit CLI overrides (None = not given)."""
+    given = {key: value for key, value in overrides.items() if value is not None}
+    config_file = os.environ.get("LOOPWATCH_CONFIG_FILE")
+    if config_file:
+        return Settings(_env_file=config_file, **given)  # type: ignore[call-arg]
+    return Settings(**given)

@@ -1,0 +1,1 @@
+"""The embedded stack: what loopwatch starts itself when no cluster is configured."""

@@ -1,0 +1,123 @@
+"""``loopwatch up``: broker (unless configured), processors and the store service.
+
+Start order: broker, topics, schema, store service, faust worker. Stop order is the
+reverse, and a SIGINT/SIGTERM first drains: the worker keeps consuming until every
+partition is processed to its end (or ``drain_timeout_s`` passes), because the
+embedded broker forgets everything when it stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import faust
+import orjson
+
+from loopwatch.config import Settings
+from loopwatch.embedded.broker import EmbeddedBroker
+from loopwatch.store.clickhouse import connect, migrate
+from loopwatch.store.service import StoreService
+from loopwatch.topics import ensure_topics
+from processors.app import Processor
+from processors.runs import RunState
+from processors.sink import ClickHouseSink
+
+log = logging.getLogger(__name__)
+
+
+class DrainingWorker(faust.Worker):
+    """A faust worker that finishes what the broker holds before it stops."""
+
+    def __init__(self, processor: Processor, drain_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(processor.app, **kwargs)
+        self._processor = processor
+        self._drain_timeout_s = drain_timeout_s
+        self._draining = False
+
+    def _on_sigint(self) -> None:
+        self._drain_then_stop()
+
+    def _on_sigterm(self) -> None:
+        self._drain_then_stop()
+
+    def _drain_then_stop(self) -> None:
+        if self._draining:
+            super()._on_sigterm()
+            return
+        self._draining = True
+        asyncio.ensure_future(self._drain(), loop=self.loop)
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self._drain_timeout_s
+        while time.monotonic() < deadline and not self._processor.caught_up():
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(1.5)  # one commit interval, so the last offsets are committed
+        super()._on_sigterm()
+
+
+def _store_callbacks(settings: Settings) -> tuple[Callable[[], list[RunState]],
+                                                  Callable[[str], RunState | None]]:
+    lookups = connect(settings)
+
+    def open_runs() -> list[RunState]:
+        result = lookups.query("SELECT state FROM runs FINAL WHERE status = 'running'")
+        return [RunState.from_dict(orjson.loads(row[0])) for row in result.result_rows]
+
+    def lookup_run(run_id: str) -> RunState | None:
+        result = lookups.query(
+            "SELECT state FROM runs FINAL WHERE run_id = {run_id:String}",
+            parameters={"run_id": run_id},
+        )
+        rows = result.result_rows
+        return RunState.from_dict(orjson.loads(rows[0][0])) if rows else None
+
+    return open_runs, lookup_run
+
+
+def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None = None,
+           loglevel: str = "warning", drain_timeout_s: float = 60.0) -> None:
+    """Run until SIGINT/SIGTERM. ``on_ready`` gets the announcement (bootstrap, store, url)."""
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    broker: EmbeddedBroker | None = None
+    service: StoreService | None = None
+    try:
+        if settings.kafka_bootstrap:
+            bootstrap = settings.kafka_bootstrap
+        else:
+            broker = EmbeddedBroker(settings.data_dir / "logs" / "broker.log").start()
+            bootstrap = broker.bootstrap
+        ensure_topics(bootstrap, settings)
+        writer = migrate(settings)
+        open_runs, lookup_run = _store_callbacks(settings)
+        processor = Processor(settings, bootstrap, ClickHouseSink(writer),
+                              open_runs=open_runs, lookup_run=lookup_run)
+        store = settings.clickhouse_url or f"chdb://{settings.chdb_path}"
+
+        def status() -> dict[str, Any]:
+            return {"counters": vars(processor.pipeline.counters),
+                    "sink_failures": processor.sink.failures,
+                    "caught_up": processor.caught_up()}
+
+        service = StoreService(connect(settings), status, settings.service_file,
+                               settings.service_host, settings.service_port)
+        announcement = {"kafka_bootstrap": bootstrap, "store": store,
+                        "events_topic": settings.events_topic,
+                        "embedded_broker": broker is not None}
+        url = service.start(announcement)
+        if on_ready is not None:
+            on_ready({**announcement, "url": url})
+        worker = DrainingWorker(processor, drain_timeout_s, loglevel=loglevel, quiet=True,
+                                logfile=str(settings.data_dir / "logs" / "worker.log"))
+        try:
+            worker.execute_from_commandline()
+        except SystemExit:
+            pass
+    finally:
+        if service is not None:
+            service.stop()
+        if broker is not None:
+            broker.stop()

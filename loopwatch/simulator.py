@@ -1,0 +1,262 @@
+"""A simulated agent fleet that emits through the real SDK, in compressed time.
+
+Each run is a generator that yields how long to wait before its next action; one
+scheduler thread interleaves all runs, so hundreds of concurrent runs cost one thread.
+Every run is planned with an outcome up front (drawn from its agent's outcome mix), so
+the fleet knows its own ground truth: ``SimulatorResult.planned`` is what the pipeline
+must find. Tool latency has a long (log-normal) tail; one tool's timeout is set a bit
+too low, so most of its timeouts are near-misses; one agent's prompt carries a
+volatile prefix and misses the prompt cache.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+import threading
+import time
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from ingest.sdk import Emitter, RunContext
+from processors.pricing import PriceTable
+
+Plan = Iterator[float]
+
+
+@dataclass(frozen=True)
+class ToolProfile:
+    name: str
+    median_ms: float
+    sigma: float
+    timeout_ms: float
+    error_rate: float = 0.01
+
+
+@dataclass(frozen=True)
+class AgentProfile:
+    name: str
+    task_types: tuple[str, ...]
+    model: str
+    prompt_version: str
+    deployment: str
+    tools: tuple[ToolProfile, ...]
+    outcome_mix: dict[str, float]
+    system_tokens: int = 4000
+    cache_stable: bool = True
+    step_cap: int = 12
+    steps: tuple[int, int] = (3, 8)
+
+
+SEARCH = ToolProfile("web_search", median_ms=700, sigma=0.5, timeout_ms=1500)
+FETCH = ToolProfile("fetch_page", median_ms=250, sigma=0.7, timeout_ms=3000)
+SQL = ToolProfile("run_sql", median_ms=120, sigma=0.6, timeout_ms=2000)
+TICKET = ToolProfile("lookup_ticket", median_ms=80, sigma=0.4, timeout_ms=1000)
+REFUND = ToolProfile("issue_refund", median_ms=300, sigma=0.5, timeout_ms=2500, error_rate=0.03)
+
+DEFAULT_FLEET: tuple[AgentProfile, ...] = (
+    AgentProfile(
+        "support-bot", ("refund", "faq"), "claude-sonnet-4", "support-v12", "deploy-41",
+        (TICKET, REFUND, SEARCH),
+        {"success": 0.70, "hard_error": 0.04, "budget_exhausted": 0.05, "gave_up": 0.06,
+         "looped": 0.05, "wrong": 0.06, "abandoned": 0.04},
+    ),
+    AgentProfile(
+        "research-agent", ("literature", "market"), "claude-opus-4-1", "research-v3",
+        "deploy-41", (SEARCH, FETCH),
+        {"success": 0.62, "hard_error": 0.03, "budget_exhausted": 0.10, "gave_up": 0.06,
+         "looped": 0.08, "wrong": 0.08, "abandoned": 0.03},
+        system_tokens=6000, step_cap=14, steps=(4, 10),
+    ),
+    AgentProfile(
+        "sql-analyst", ("report",), "gpt-4o", "analyst-v7", "deploy-40", (SQL, FETCH),
+        {"success": 0.74, "hard_error": 0.05, "budget_exhausted": 0.04, "gave_up": 0.05,
+         "looped": 0.04, "wrong": 0.05, "abandoned": 0.03},
+        system_tokens=3000, cache_stable=False, steps=(3, 7),
+    ),
+)
+
+
+@dataclass
+class SimulatorResult:
+    """Ground truth: planned outcomes per agent, and how many events were emitted."""
+
+    planned: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
+    runs: int = 0
+
+    @property
+    def outcomes(self) -> Counter[str]:
+        total: Counter[str] = Counter()
+        for counts in self.planned.values():
+            total.update(counts)
+        return total
+
+
+class RunScript:
+    """The actions of one planned run, as a generator of waits (seconds, compressed)."""
+
+    def __init__(self, emitter: Emitter, profile: AgentProfile, outcome: str,
+                 rng: random.Random, prices: PriceTable, time_scale: float,
+                 after_end: Callable[[float, Plan], None]) -> None:
+        self.emitter = emitter
+        self.profile = profile
+        self.outcome = outcome
+        self.rng = rng
+        self.prices = prices
+        self.scale = time_scale
+        self.after_end = after_end
+        self.args_counter = itertools.count()
+
+    def plan(self) -> Plan:
+        profile, rng = self.profile, self.rng
+        run = RunContext(self.emitter, uuid.UUID(int=rng.getrandbits(128)).hex, {
+            "agent": profile.name, "agent_version": "1.4.2",
+            "task_type": rng.choice(profile.task_types), "model": profile.model,
+            "prompt_version": profile.prompt_version, "deployment": profile.deployment,
+            "worker_id": f"worker-{rng.randrange(12)}", "step_cap": profile.step_cap,
+        })
+        run.start()
+        loop_tool = rng.choice(profile.tools)
+        steps = {
+            "budget_exhausted": profile.step_cap,
+            "looped": rng.randint(4, 6),
+        }.get(self.outcome, rng.randint(*profile.steps))
+        for number in range(steps):
+            yield from self._step(run, number, steps, loop_tool)
+        yield from self._finish(run)
+
+    def _step(self, run: RunContext, number: int, steps: int, loop_tool: ToolProfile) -> Plan:
+        run.step(step_type="plan" if number == 0 else "act",
+                 duration_ms=self.rng.uniform(200, 2000))
+        self._llm_call(run, number)
+        yield self.rng.uniform(0.05, 0.25) * self.scale
+        if self.outcome == "looped" and number >= steps - 3:
+            yield from self._tool_call(run, loop_tool, {"query": "same thing again"})
+        else:
+            tool = self.rng.choice(self.profile.tools)
+            yield from self._tool_call(run, tool, {"n": next(self.args_counter)})
+
+    def _llm_call(self, run: RunContext, number: int) -> None:
+        profile, rng = self.profile, self.rng
+        context_tokens = profile.system_tokens + 400 * number + rng.randint(0, 200)
+        output = rng.randint(80, 600)
+        if profile.cache_stable and number == 0:
+            read, creation = 0, profile.system_tokens
+        elif profile.cache_stable:
+            read, creation = profile.system_tokens, 0
+        else:
+            read, creation = 0, 0
+        status, error = (429, "rate_limited") if rng.random() < 0.01 else (200, None)
+        cost = self.prices.cost(profile.model, context_tokens, output, read, creation).cost_usd
+        run.llm_call(
+            provider="anthropic" if profile.model.startswith("claude") else "openai",
+            response_model=f"{profile.model}-20260901", input_tokens=context_tokens,
+            output_tokens=output, cache_read_input_tokens=read,
+            cache_creation_input_tokens=creation, cost_usd=round(cost, 8),
+            latency_ms=rng.lognormvariate(math.log(900), 0.4), http_status=status,
+            error_type=error,
+        )
+
+    def _tool_call(self, run: RunContext, tool: ToolProfile, args: dict[str, object]) -> Plan:
+        rng = self.rng
+        duration = rng.lognormvariate(math.log(tool.median_ms), tool.sigma)
+        if duration > tool.timeout_ms:
+            yield tool.timeout_ms / 1000 * self.scale
+            run.tool_call(tool.name, args=args, latency_ms=tool.timeout_ms,
+                          timeout_ms=tool.timeout_ms, timed_out=True, error_type="timeout",
+                          late_completion_ms=duration)
+            return
+        yield duration / 1000 * self.scale
+        failed = rng.random() < tool.error_rate
+        run.tool_call(tool.name, args=args, latency_ms=duration, timeout_ms=tool.timeout_ms,
+                      error_type="http_5xx" if failed else None,
+                      http_status=503 if failed else 200,
+                      result_count=0 if failed else rng.randint(1, 20),
+                      result_size_bytes=rng.randint(200, 20_000))
+
+    def _finish(self, run: RunContext) -> Plan:
+        outcome = self.outcome
+        if outcome == "abandoned":
+            return  # the worker died: no run.end, ever
+        reason, extra = {
+            "hard_error": ("crash", {"error_type": "ToolCrash"}),
+            "budget_exhausted": ("cap", {"cap": "step", "step_cap": self.profile.step_cap}),
+            "gave_up": ("cannot_complete", {}),
+            # half the loopers believe they are done: only the detector catches them
+            "looped": (self.rng.choice(("loop_detector", "model_done")), {}),
+        }.get(outcome, ("model_done", {}))
+        run.end(reason, **extra)
+        if outcome == "wrong" or (outcome == "success" and self.rng.random() < 0.2):
+            verdict = "wrong" if outcome == "wrong" else "correct"
+            self.after_end(self.rng.uniform(1.0, 3.0) * self.scale,
+                           self._label(run, verdict))
+        yield 0.0
+
+    @staticmethod
+    def _label(run: RunContext, verdict: str) -> Plan:
+        run.label(verdict, label_source="post_hoc_check")
+        yield 0.0
+
+
+class FleetSimulator:
+    """Starts runs at a Poisson rate and plays them all from one scheduler thread."""
+
+    def __init__(self, emitter: Emitter, fleet: tuple[AgentProfile, ...] = DEFAULT_FLEET,
+                 seed: int = 7, time_scale: float = 1.0) -> None:
+        self.emitter = emitter
+        self.fleet = fleet
+        self.rng = random.Random(seed)
+        self.time_scale = time_scale
+        self.prices = PriceTable.load()
+        self.result = SimulatorResult()
+        self._queue: list[tuple[float, int, Plan]] = []
+        self._order = itertools.count()
+
+    def _schedule(self, delay_s: float, plan: Plan) -> None:
+        heapq.heappush(self._queue, (time.monotonic() + delay_s, next(self._order), plan))
+
+    def _new_run(self) -> None:
+        profile = self.rng.choice(self.fleet)
+        outcomes, weights = zip(*profile.outcome_mix.items(), strict=True)
+        outcome = self.rng.choices(outcomes, weights)[0]
+        self.result.planned[profile.name][outcome] += 1
+        self.result.runs += 1
+        run_rng = random.Random(self.rng.getrandbits(64) ^ uuid.uuid4().int)
+        script = RunScript(self.emitter, profile, outcome, run_rng, self.prices,
+                           self.time_scale, self._schedule)
+        self._schedule(0.0, script.plan())
+
+    def run(self, duration_s: float, rate: float, stop: threading.Event | None = None,
+            on_tick: Callable[[SimulatorResult], None] | None = None) -> SimulatorResult:
+        """Start runs for ``duration_s``, then let every started run play out."""
+        stop = stop or threading.Event()
+        started = time.monotonic()
+        next_run = started
+        last_tick = 0.0
+        while not stop.is_set():
+            now = time.monotonic()
+            if now - started < duration_s:
+                while next_run <= now:
+                    self._new_run()
+                    next_run += self.rng.expovariate(rate)
+            elif not self._queue:
+                break
+            while self._queue and self._queue[0][0] <= now:
+                _, _, plan = heapq.heappop(self._queue)
+                try:
+                    self._schedule(next(plan), plan)
+                except StopIteration:
+                    pass
+            if on_tick is not None and now - last_tick >= 0.5:
+                last_tick = now
+                on_tick(self.result)
+            upcoming = [self._queue[0][0]] if self._queue else []
+            if now - started < duration_s:
+                upcoming.append(next_run)
+            wait = min(upcoming, default=now + 0.05) - time.monotonic()
+            stop.wait(max(0.0, min(wait, 0.05)))
+        return self.result

@@ -1,0 +1,1 @@
+"""The ClickHouse store: schema migrations, clients, the sink and the store service."""

@@ -1,0 +1,89 @@
+"""Opening ClickHouse: embedded chdb under the data dir, or a server over HTTP(S).
+
+chdb lets one process own a data path. In the embedded default that owner is the
+process running the processors (``loopwatch up``); everybody else reaches the store
+through its service (:mod:`loopwatch.store.service`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+from urllib.parse import urlparse
+
+import clickhouse_connect
+from clickhouse_connect.driver.client import Client
+
+from loopwatch.config import Settings
+
+READONLY_SETTINGS = {"readonly": 1}
+
+
+@dataclass(frozen=True)
+class QueryResult:
+    columns: list[str]
+    rows: list[list[Any]]
+
+    def records(self) -> list[dict[str, Any]]:
+        return [dict(zip(self.columns, row, strict=True)) for row in self.rows]
+
+    def scalar(self) -> Any:
+        return self.rows[0][0] if self.rows and self.rows[0] else None
+
+
+def connect(settings: Settings, database: str | None = None) -> Client:
+    """A new client; ``database=None`` connects to the loopwatch database."""
+    database = settings.database if database is None else database
+    if settings.clickhouse_url:
+        url = urlparse(settings.clickhouse_url)
+        return clickhouse_connect.get_client(
+            host=url.hostname or "localhost",
+            port=url.port or (8443 if url.scheme == "https" else 8123),
+            username=url.username or "default",
+            password=url.password or "",
+            secure=url.scheme == "https",
+            database=database or (url.path.strip("/") or "default"),
+        )
+    settings.chdb_path.mkdir(parents=True, exist_ok=True)
+    client = clickhouse_connect.get_client(dsn=f"chdb://{settings.chdb_path}")
+    if database:
+        client.command(f"USE {database}")
+    return client
+
+
+def migrations() -> list[tuple[str, str]]:
+    """(name, sql) for every migration, in order."""
+    folder = resources.files("loopwatch.store").joinpath("migrations")
+    return sorted(
+        (entry.name, entry.read_text())
+        for entry in folder.iterdir()
+        if entry.name.endswith(".sql")
+    )
+
+
+def statements(sql: str) -> list[str]:
+    """Split a migration into statements (no `;` inside our DDL strings)."""
+    lines = [line for line in sql.splitlines() if not line.lstrip().startswith("--")]
+    return [part.strip() for part in "\n".join(lines).split(";") if part.strip()]
+
+
+def migrate(settings: Settings) -> Client:
+    """Create the database and apply every migration; safe to run at every start."""
+    bootstrap = connect(settings, database="")
+    bootstrap.command(f"CREATE DATABASE IF NOT EXISTS {settings.database}")
+    client = connect(settings) if settings.clickhouse_url else bootstrap
+    if not settings.clickhouse_url:
+        client.command(f"USE {settings.database}")
+    for _name, sql in migrations():
+        for statement in statements(sql):
+            client.command(statement)
+    return client
+
+
+def run_query(client: Client, sql: str, parameters: dict[str, Any] | None = None,
+              readonly: bool = False) -> QueryResult:
+    result = client.query(
+        sql, parameters=parameters or {}, settings=READONLY_SETTINGS if readonly else None
+    )
+    return QueryResult(list(result.column_names), [list(row) for row in result.result_rows])

@@ -1,0 +1,83 @@
+"""Run ``loopwatch up`` as a child process and wait until its store service answers.
+
+Used by ``loopwatch demo`` and by the tests: the child owns the chdb store, everything
+else talks to it through the store service it announces.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from loopwatch.store.reader import ServiceReader, running_service
+
+
+class UpProcess:
+    def __init__(self, data_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.data_dir = data_dir
+        self.env = {**os.environ, **(env or {}), "LOOPWATCH_DATA_DIR": str(data_dir)}
+        self.process: subprocess.Popen[bytes] | None = None
+        self.info: dict[str, Any] = {}
+
+    @property
+    def reader(self) -> ServiceReader:
+        return ServiceReader(self.info["url"])
+
+    def start(self, timeout_s: float = 90.0) -> UpProcess:
+        from loopwatch.config import load_settings
+
+        settings = load_settings(data_dir=self.data_dir)
+        log_dir = self.data_dir / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        with (log_dir / "up.log").open("ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "loopwatch.cli", "up"],
+                env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"loopwatch up exited with {self.process.returncode}; see {log_dir}/up.log"
+                )
+            announced = running_service(settings)
+            if announced and announced.get("pid") == self.process.pid:
+                self.info = announced
+                return self
+            time.sleep(0.2)
+        self.kill()
+        raise TimeoutError(f"loopwatch up did not come up in {timeout_s:.0f}s; see {log_dir}")
+
+    def health(self) -> dict[str, Any]:
+        return self.reader.health()
+
+    def stop(self, timeout_s: float = 90.0) -> int | None:
+        """SIGTERM: the child drains what the broker holds, then exits."""
+        process = self.process
+        if process is None or process.poll() is not None:
+            return None if process is None else process.returncode
+        process.send_signal(signal.SIGTERM)
+        try:
+            return process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            return process.wait()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: nothing drains, nothing is committed."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def __enter__(self) -> UpProcess:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

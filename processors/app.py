@@ -1,0 +1,183 @@
+"""The faust-streaming binding of :class:`processors.pipeline.Pipeline`.
+
+One agent consumes the events topic in batches (``take_events``). For each batch:
+decode and fold into run state (the ``runs`` table, changelogged), write the rows to
+ClickHouse (blocking until accepted), publish dead letters, and only then let faust
+ack the batch. faust commits acked offsets after flushing its producer, so the state
+changelog is always at least as new as the committed offsets; redelivered events are
+recognised by ``event_id`` in the run state and by ClickHouse's dedup keys.
+
+Table writes carry an explicit partition (the run's source partition), because a
+batch spans partitions and faust would otherwise changelog every key under the
+partition of the batch's last event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import faust
+import orjson
+
+from loopwatch.config import Settings
+from processors.pipeline import Pipeline, RawMessage, Work
+from processors.runs import RunState
+from processors.sink import RetryingSink, Sink
+
+log = logging.getLogger(__name__)
+
+
+class TableRunStore:
+    """Run state in a faust table: bytes keys and orjson values, explicit partitions."""
+
+    def __init__(self, table: Any, app: faust.App, topic: str) -> None:
+        self._table = table
+        self._app = app
+        self._topic = topic
+
+    def active_partitions(self) -> set[int]:
+        return {tp.partition for tp in self._app.assignor.assigned_actives()
+                if tp.topic == self._topic}
+
+    def get(self, run_id: str) -> RunState | None:
+        raw = self._table.data.get(run_id.encode())
+        return None if raw is None else RunState.from_dict(orjson.loads(raw))
+
+    def put(self, state: RunState) -> None:
+        key = state.run_id.encode()
+        value = orjson.dumps(state.to_dict())
+        self._table.data[key] = value
+        self._table.send_changelog(state.partition, key, value)
+
+    def delete(self, state: RunState) -> None:
+        key = state.run_id.encode()
+        self._table.data.pop(key, None)
+        self._table.send_changelog(state.partition, key, None, value_serializer="raw")
+
+    def states(self) -> Iterator[RunState]:
+        active = self.active_partitions()
+        for raw in list(self._table.data.values()):
+            state = RunState.from_dict(orjson.loads(raw))
+            if state.partition in active:
+                yield state
+
+
+class Processor:
+    """Builds the faust app around a pipeline and a sink; owns nothing else."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        bootstrap: str,
+        sink: Sink,
+        open_runs: Any = None,
+        lookup_run: Any = None,
+    ) -> None:
+        self.settings = settings
+        self.sink = RetryingSink(sink, settings.sink_retry_s)
+        self._open_runs = open_runs
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sink")
+        self._adopted_for: frozenset[int] | None = None
+        self.positions: dict[int, int] = {}
+        self.app = faust.App(
+            settings.consumer_group,
+            broker=";".join(f"kafka://{host}" for host in bootstrap.split(",")),
+            store="memory://",
+            web_enabled=False,
+            autodiscover=False,
+            topic_partitions=settings.partitions,
+            topic_replication_factor=1,
+            table_standby_replicas=0,
+            consumer_auto_offset_reset="earliest",
+            broker_session_timeout=settings.session_timeout_s,
+            broker_heartbeat_interval=min(3.0, settings.session_timeout_s / 3),
+            broker_commit_interval=1.0,
+            stream_wait_empty=False,
+            producer_max_request_size=max(settings.max_message_bytes * 2, 1_048_576),
+            consumer_max_fetch_size=max(settings.max_message_bytes * 2, 4_194_304),
+        )
+        self.events_topic = self.app.topic(
+            settings.events_topic, key_type=bytes, value_type=bytes,
+            key_serializer="raw", value_serializer="raw", partitions=settings.partitions,
+        )
+        self.deadletter_topic = self.app.topic(
+            settings.deadletter_topic, key_type=bytes, value_type=bytes,
+            key_serializer="raw", value_serializer="raw", partitions=1,
+        )
+        self.table = self.app.Table(
+            "runs", key_type=bytes, value_type=bytes, partitions=settings.partitions,
+        )
+        self.store = TableRunStore(self.table, self.app, settings.events_topic)
+        self.pipeline = Pipeline(settings, self.store, lookup_run=lookup_run)
+        self.app.agent(self.events_topic, name="assemble-runs")(self._assemble)
+        self.app.timer(1.0, name="sweep-runs")(self._sweep)
+
+    async def _assemble(self, stream: Any) -> None:
+        async for events in stream.take_events(
+            self.settings.batch_max_events, within=self.settings.batch_max_wait_s
+        ):
+            messages = [
+                RawMessage(e.message.topic, e.message.partition, e.message.offset,
+                           e.message.value)
+                for e in events
+            ]
+            await self._write(self.pipeline.process(messages))
+            for message in messages:
+                self.positions[message.partition] = max(
+                    self.positions.get(message.partition, -1), message.offset
+                )
+
+    async def _sweep(self) -> None:
+        if not self._ready():
+            return
+        self._adopt_open_runs()
+        await self._write(self.pipeline.sweep())
+
+    def _ready(self) -> bool:
+        return bool(self.app.tables.recovery.completed.is_set()) and not self.app.rebalancing
+
+    def _adopt_open_runs(self) -> None:
+        """After an assignment, take over open runs ClickHouse knows and the table lacks.
+
+        The embedded broker keeps data in memory; after a restart the changelog is gone,
+        and this is how open runs survive it.
+        """
+        active = frozenset(self.store.active_partitions())
+        if self._open_runs is None or active == self._adopted_for:
+            return
+        self._adopted_for = active
+        states: Iterable[RunState] = (
+            state for state in self._open_runs() if state.partition in active
+        )
+        adopted = self.pipeline.adopt(states)
+        if adopted:
+            log.info("rebuilt %d open runs from the store", adopted)
+
+    async def _write(self, work: Work) -> None:
+        if len(work.rows):
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._writer, self.sink.write_batch, work.rows)
+        for letter in work.dead:
+            await self.deadletter_topic.send(
+                key=letter.letter_id.encode(),
+                value=letter.payload,
+                headers=[("loopwatch-reason", letter.reason.encode()),
+                         ("loopwatch-source", letter.source.encode())],
+            )
+
+    def caught_up(self) -> bool:
+        """True when every assigned partition has been processed up to its end."""
+        consumer = self.app.consumer
+        for tp in self.app.assignor.assigned_actives():
+            if tp.topic != self.settings.events_topic:
+                continue
+            highwater = consumer.highwater(tp)
+            if highwater is None:
+                continue
+            if highwater > 0 and self.positions.get(tp.partition, -1) < highwater - 1:
+                return False
+        return True

@@ -1,0 +1,218 @@
+"""The engine-free core of the processors: Kafka messages in, state and rows out.
+
+faust (``processors.app``) feeds it batches and writes what it returns; tests can
+drive it directly. It never raises on bad input: what cannot be decoded becomes a
+dead letter (table row + dead-letter topic) with its reason, and is counted.
+
+Time is event time. The watermark is the newest event time seen minus the late
+allowance; when no event has arrived for ``idle_advance_s`` it follows the wall clock,
+so an idle fleet still abandons its stuck runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Protocol
+
+from ingest.events import Annotation, EventBase, Label, LlmCall, RunStart, ToolCall
+from ingest.wire import DeadLetter, decode_message
+from loopwatch.config import Settings
+from processors import rows
+from processors.pricing import PriceTable, cost_mismatch
+from processors.runs import RunState, abandon_if_expired, apply_event, ms, new_state
+from processors.sink import RowBatch
+
+
+@dataclass(frozen=True, slots=True)
+class RawMessage:
+    topic: str
+    partition: int
+    offset: int
+    value: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterRecord:
+    letter_id: str
+    source: str
+    reason: str
+    run_id: str
+    payload: bytes
+
+
+class RunStore(Protocol):
+    """Per-run state owned by this worker (a faust table in production)."""
+
+    def get(self, run_id: str) -> RunState | None: ...
+
+    def put(self, state: RunState) -> None: ...
+
+    def delete(self, state: RunState) -> None: ...
+
+    def states(self) -> Iterable[RunState]:
+        """States of the partitions this worker actively owns."""
+        ...
+
+
+@dataclass
+class Counters:
+    messages: int = 0
+    events: int = 0
+    duplicates: int = 0
+    dead_letters: int = 0
+    runs_closed: int = 0
+    runs_abandoned: int = 0
+    runs_revised: int = 0
+    cost_mismatches: int = 0
+
+
+@dataclass
+class Work:
+    """What one batch produced: rows to store, dead letters to publish."""
+
+    rows: RowBatch = field(default_factory=RowBatch)
+    dead: list[DeadLetterRecord] = field(default_factory=list)
+
+
+class Pipeline:
+    def __init__(
+        self,
+        settings: Settings,
+        store: RunStore,
+        prices: PriceTable | None = None,
+        lookup_run: Callable[[str], RunState | None] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.prices = prices or PriceTable.load()
+        self.lookup_run = lookup_run or (lambda run_id: None)
+        self.clock = clock
+        self.counters = Counters()
+        self.max_event_ms = 0
+        self.last_event_wall = clock()
+
+    def watermark_ms(self) -> int:
+        late_ms = int(self.settings.late_allowance_s * 1000)
+        mark = self.max_event_ms - late_ms
+        now = self.clock()
+        if now - self.last_event_wall >= self.settings.idle_advance_s:
+            mark = max(mark, int(now * 1000) - late_ms)
+        return mark
+
+    def process(self, messages: list[RawMessage]) -> Work:
+        """Decode, fold into run state, and build every row the batch implies."""
+        work = Work()
+        now = datetime.now(UTC)
+        touched: dict[str, RunState] = {}
+        for message in messages:
+            self.counters.messages += 1
+            decoded = decode_message(message.value, self.settings.max_message_bytes)
+            for index, letter in enumerate(decoded.dead):
+                self._dead_letter(work, message, index, letter, now)
+            for event in decoded.events:
+                self._handle_event(work, touched, message, event, now)
+        for state in touched.values():
+            self.store.put(state)
+            work.rows.add("runs", rows.run_row(state))
+        return work
+
+    def sweep(self) -> Work:
+        """Abandon runs past their TTL (event time); forget closed runs past the label window."""
+        work = Work()
+        mark = self.watermark_ms()
+        label_window_ms = int(self.settings.label_window_s * 1000)
+        for state in list(self.store.states()):
+            ttl_ms = int(self.settings.abandon_ttl_for(state.task_type) * 1000)
+            if abandon_if_expired(state, mark, ttl_ms):
+                self.counters.runs_abandoned += 1
+                self.counters.runs_closed += 1
+                self.store.put(state)
+                work.rows.add("runs", rows.run_row(state))
+            elif state.closed and (state.closed_ms or 0) + label_window_ms < mark:
+                self.store.delete(state)
+        return work
+
+    def adopt(self, states: Iterable[RunState]) -> int:
+        """Take over runs rebuilt from the store that this worker's state does not have."""
+        adopted = 0
+        for state in states:
+            if self.store.get(state.run_id) is None:
+                self.store.put(state)
+                adopted += 1
+        return adopted
+
+    def _dead_letter(
+        self, work: Work, message: RawMessage, index: int, letter: DeadLetter, now: datetime
+    ) -> None:
+        source = f"{message.topic}:{message.partition}:{message.offset}:{index}"
+        letter_id = hashlib.sha256(source.encode()).hexdigest()[:32]
+        record = DeadLetterRecord(letter_id, source, letter.reason, letter.run_id, letter.payload)
+        self.counters.dead_letters += 1
+        work.dead.append(record)
+        work.rows.add(
+            "dead_letters",
+            rows.dead_letter_row(letter_id, source, letter.reason, letter.run_id,
+                                 letter.payload, now),
+        )
+
+    def _state_for(
+        self, touched: dict[str, RunState], event: EventBase, partition: int
+    ) -> RunState:
+        state = touched.get(event.run_id) or self.store.get(event.run_id)
+        if state is None and not isinstance(event, RunStart):
+            state = self.lookup_run(event.run_id)
+        if state is None:
+            state = new_state(event, partition)
+        touched[event.run_id] = state
+        return state
+
+    def _handle_event(
+        self,
+        work: Work,
+        touched: dict[str, RunState],
+        message: RawMessage,
+        event: EventBase,
+        now: datetime,
+    ) -> None:
+        self.counters.events += 1
+        self.max_event_ms = max(self.max_event_ms, ms(event))
+        self.last_event_wall = self.clock()
+        work.rows.add("events", rows.event_row(event, message.partition, message.offset, now))
+        if isinstance(event, Annotation):
+            work.rows.add("annotations", rows.annotation_row(event))
+            return
+        priced_cost = 0.0
+        if isinstance(event, LlmCall):
+            priced = self.prices.cost(
+                event.model, event.input_tokens, event.output_tokens,
+                event.cache_read_input_tokens, event.cache_creation_input_tokens,
+                event.cache_ttl,
+            )
+            mismatch = cost_mismatch(
+                event.cost_usd, priced.cost_usd, self.settings.cost_mismatch_tolerance
+            )
+            self.counters.cost_mismatches += int(mismatch)
+            priced_cost = priced.cost_usd
+            work.rows.add("llm_calls", rows.llm_call_row(event, priced, mismatch))
+        elif isinstance(event, ToolCall):
+            work.rows.add("tool_calls", rows.tool_call_row(event, self.settings.near_miss_factor))
+        elif isinstance(event, Label):
+            work.rows.add("labels", rows.label_row(event))
+        state = self._state_for(touched, event, message.partition)
+        was_closed = state.closed
+        loop = self.settings.loop_for(event.task_type or state.task_type)
+        applied = apply_event(
+            state, event, priced_cost=priced_cost,
+            loop_window=loop.window, loop_repeats=loop.repeats,
+        )
+        if not applied:
+            self.counters.duplicates += 1
+        elif state.closed and not was_closed:
+            self.counters.runs_closed += 1
+        elif was_closed:
+            self.counters.runs_revised += 1

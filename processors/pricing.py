@@ -1,0 +1,96 @@
+"""Cost recomputed from tokens with the versioned price table (``prices.json``).
+
+Cache writes cost 1.25 x the input price (2 x for the 1-hour TTL), cache reads 0.1 x.
+A model missing from the table is priced at the table's default and says so.
+
+The seed's worked example (15 steps, a 6,000-token stable block, 400 new tokens per
+step, Sonnet-class $3/MTok): $0.396 uncached, about $0.174 cached.
+
+>>> table = PriceTable.load()
+>>> uncached = sum(table.cost("claude-sonnet-4", 6000 + 400 * k, 0, 0, 0).cost_usd for k in range(15))
+>>> round(uncached, 4)
+0.396
+>>> write = table.cost("claude-sonnet-4", 6000, 0, 0, 6000).cost_usd
+>>> reads = sum(table.cost("claude-sonnet-4", 6000 + 400 * k, 0, 6000, 0).cost_usd
+...             for k in range(1, 15))
+>>> round(write + reads, 4)
+0.1737
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Price:
+    input: float
+    output: float
+
+
+@dataclass(frozen=True, slots=True)
+class PricedCall:
+    cost_usd: float
+    price_version: str
+    known_model: bool
+
+
+@dataclass(frozen=True)
+class PriceTable:
+    version: str
+    default: Price
+    models: dict[str, Price]
+    write_5m: float
+    write_1h: float
+    read: float
+
+    @classmethod
+    def load(cls, data: dict[str, Any] | None = None) -> PriceTable:
+        if data is None:
+            data = json.loads(resources.files("processors").joinpath("prices.json").read_text())
+        multipliers = data["cache_multipliers"]
+        return cls(
+            version=str(data["version"]),
+            default=Price(**data["default"]),
+            models={name: Price(**price) for name, price in data["models"].items()},
+            write_5m=float(multipliers["write_5m"]),
+            write_1h=float(multipliers["write_1h"]),
+            read=float(multipliers["read"]),
+        )
+
+    def cost(
+        self,
+        model: str,
+        input_tokens: int,
+        output_tokens: int,
+        cache_read: int,
+        cache_creation: int,
+        cache_ttl: str = "5m",
+    ) -> PricedCall:
+        """Price one call; ``input_tokens`` includes the cache (OTel semantics)."""
+        price = self.models.get(model)
+        known = price is not None
+        price = price or self.default
+        uncached = max(0, input_tokens - cache_read - cache_creation)
+        write_multiplier = self.write_1h if cache_ttl == "1h" else self.write_5m
+        dollars = (
+            uncached * price.input
+            + cache_creation * price.input * write_multiplier
+            + cache_read * price.input * self.read
+            + output_tokens * price.output
+        ) / 1_000_000
+        return PricedCall(dollars, self.version, known)
+
+
+def cost_mismatch(reported: float | None, computed: float, tolerance: float) -> bool:
+    """True when the agent's own cost differs from ours by more than ``tolerance`` (relative).
+
+    >>> cost_mismatch(0.0102, 0.01, 0.05), cost_mismatch(0.02, 0.01, 0.05), cost_mismatch(None, 1, 0)
+    (False, True, False)
+    """
+    if reported is None:
+        return False
+    return abs(reported - computed) > tolerance * max(abs(computed), 1e-9) + 1e-9

@@ -1,0 +1,202 @@
+"""Events and run states as ClickHouse rows (column names match the migrations)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+
+from ingest.events import Annotation, EventBase, Label, LlmCall, ToolCall
+from processors.pricing import PricedCall
+from processors.runs import RunState
+
+ENVELOPE_COLUMNS = ("agent_version", "task_type", "model", "prompt_version", "deployment",
+                    "traffic_slice", "worker_id")
+
+
+def utc_ms(epoch_ms: int | None) -> datetime | None:
+    return None if epoch_ms is None else datetime.fromtimestamp(epoch_ms / 1000, tz=UTC)
+
+
+def event_row(event: EventBase, partition: int, offset: int, now: datetime) -> dict[str, Any]:
+    payload = event.model_dump(mode="json", exclude_none=True)
+    return {
+        "event_id": event.event_id,
+        "event_type": payload["event_type"],
+        "schema_version": event.schema_version,
+        "ts": event.ts,
+        "run_id": event.run_id,
+        "trace_id": event.trace_id or "",
+        "span_id": event.span_id or "",
+        "parent_span_id": event.parent_span_id or "",
+        "agent": event.agent,
+        **{name: getattr(event, name) for name in ENVELOPE_COLUMNS},
+        "payload": orjson.dumps(payload).decode(),
+        "extras": {key: orjson.dumps(value).decode() for key, value in event.extras.items()},
+        "kafka_partition": partition,
+        "kafka_offset": offset,
+        "ingested_at": now,
+    }
+
+
+def llm_call_row(event: LlmCall, priced: PricedCall, mismatch: bool) -> dict[str, Any]:
+    return {
+        "event_id": event.event_id,
+        "ts": event.ts,
+        "run_id": event.run_id,
+        "agent": event.agent,
+        "task_type": event.task_type,
+        "model": event.model,
+        "response_model": event.response_model,
+        "provider": event.provider,
+        "purpose": event.purpose,
+        "prompt_version": event.prompt_version,
+        "deployment": event.deployment,
+        "traffic_slice": event.traffic_slice,
+        "step": event.step,
+        "input_tokens": event.input_tokens,
+        "output_tokens": event.output_tokens,
+        "cache_read_tokens": event.cache_read_input_tokens,
+        "cache_creation_tokens": event.cache_creation_input_tokens,
+        "uncached_input_tokens": event.uncached_input_tokens,
+        "cache_ttl": event.cache_ttl,
+        "token_convention": event.token_convention,
+        "cost_usd": priced.cost_usd,
+        "reported_cost_usd": event.cost_usd,
+        "cost_mismatch": int(mismatch),
+        "price_version": priced.price_version,
+        "latency_ms": event.latency_ms,
+        "ttft_ms": event.ttft_ms,
+        "http_status": event.http_status or 0,
+        "error_type": event.error_type or "",
+        "rate_limited": int(event.http_status == 429),
+        "is_error": int(event.error_type is not None and event.http_status != 429),
+        "attempt": event.attempt,
+        "logical_op_id": event.logical_op_id or "",
+        "stop_reason": event.stop_reason or "",
+        "system_prompt_hash": event.system_prompt_hash or "",
+    }
+
+
+def near_miss(event: ToolCall, factor: float) -> int | None:
+    """1 if a timed-out call's true duration was within ``factor`` x its timeout.
+
+    >>> near_miss(ToolCall(run_id="r", agent="a", tool="t", timed_out=True,
+    ...                    timeout_ms=1000, late_completion_ms=1250), 1.3)
+    1
+    """
+    if not event.timed_out or event.timeout_ms is None or event.late_completion_ms is None:
+        return None
+    return int(event.late_completion_ms <= factor * event.timeout_ms)
+
+
+def tool_call_row(event: ToolCall, near_miss_factor: float) -> dict[str, Any]:
+    return {
+        "event_id": event.event_id,
+        "ts": event.ts,
+        "run_id": event.run_id,
+        "agent": event.agent,
+        "task_type": event.task_type,
+        "model": event.model,
+        "prompt_version": event.prompt_version,
+        "deployment": event.deployment,
+        "traffic_slice": event.traffic_slice,
+        "tool": event.tool,
+        "args_hash": event.args_hash,
+        "step": event.step,
+        "latency_ms": event.latency_ms,
+        "timeout_ms": event.timeout_ms,
+        "timed_out": int(event.timed_out),
+        "late_completion_ms": event.late_completion_ms,
+        "near_miss": near_miss(event, near_miss_factor),
+        "error_type": event.error_type or "",
+        "http_status": event.http_status or 0,
+        "is_error": int(event.error_type is not None or event.timed_out),
+        "result_count": event.result_count,
+        "result_size_bytes": event.result_size_bytes,
+        "attempt": event.attempt,
+    }
+
+
+def label_row(event: Label) -> dict[str, Any]:
+    return {
+        "event_id": event.event_id,
+        "ts": event.ts,
+        "run_id": event.run_id,
+        "agent": event.agent,
+        "verdict": event.verdict,
+        "label_source": event.label_source,
+        "quality_score": event.quality_score,
+        "hallucination": None if event.hallucination is None else int(event.hallucination),
+    }
+
+
+def annotation_row(event: Annotation) -> dict[str, Any]:
+    return {
+        "event_id": event.event_id,
+        "ts": event.ts,
+        "kind": event.kind,
+        "agent": event.agent,
+        "deployment": event.deployment,
+        "model": event.model,
+        "prompt_version": event.prompt_version,
+        "old_value": event.old_value,
+        "new_value": event.new_value,
+        "actor": event.actor,
+        "message": event.message,
+    }
+
+
+def run_row(state: RunState) -> dict[str, Any]:
+    closed_ms = state.closed_ms
+    started = state.started_ms if state.started_ms is not None else state.first_ms
+    return {
+        "run_id": state.run_id,
+        "agent": state.agent,
+        "agent_version": state.agent_version,
+        "task_type": state.task_type,
+        "model": state.model,
+        "prompt_version": state.prompt_version,
+        "deployment": state.deployment,
+        "traffic_slice": state.traffic_slice,
+        "worker_id": state.worker_id,
+        "status": "closed" if state.closed else "running",
+        "outcome": state.outcome,
+        "terminal_reason": state.terminal_reason,
+        "cap": state.cap,
+        "label_source": state.label_source,
+        "started_ts": utc_ms(started),
+        "last_event_ts": utc_ms(state.last_ms),
+        "closed_ts": utc_ms(closed_ms),
+        "steps": state.steps,
+        "llm_calls": state.llm_calls,
+        "tool_calls": state.tool_calls,
+        "tool_errors": state.tool_errors,
+        "llm_errors": state.llm_errors,
+        "input_tokens": state.input_tokens,
+        "output_tokens": state.output_tokens,
+        "cache_read_tokens": state.cache_read_tokens,
+        "cache_creation_tokens": state.cache_creation_tokens,
+        "cost_usd": state.cost_usd,
+        "reported_cost_usd": state.reported_cost_usd,
+        "loop_detected": int(state.loop_detected),
+        "loop_summary": state.loop_summary,
+        "version": state.version,
+        "state": orjson.dumps(state.to_dict()).decode(),
+    }
+
+
+def dead_letter_row(
+    letter_id: str, source: str, reason: str, run_id: str, payload: bytes, now: datetime
+) -> dict[str, Any]:
+    return {
+        "id": letter_id,
+        "received_at": now,
+        "source": source,
+        "reason": reason,
+        "run_id": run_id,
+        "payload": payload.decode("utf-8", errors="replace"),
+        "replayed_at": None,
+        "version": 1,
+    }

@@ -1,0 +1,203 @@
+"""Run assembly: fold a run's events into one state and label it with one outcome.
+
+Pure functions over :class:`RunState`; no I/O. State is a plain dict-able dataclass so
+it can live in a faust table (changelogged) and in the ``runs.state`` column (so a
+fresh broker can rebuild open runs from ClickHouse).
+
+Outcome precedence, from the agent's terminal reason, the loop detector and labels:
+
+- no ``run.end`` within the TTL: ``abandoned`` (a later ``run.end`` revises it);
+- ``crash``: ``hard_error``; ``loop_detector``/``drift_monitor`` or the loop detector
+  tripped: ``looped``; ``cap``: ``budget_exhausted``; ``cannot_complete``: ``gave_up``;
+  ``model_done``: ``success``; ``cancelled``: ``abandoned`` (nobody was there to receive it);
+  no reason at all (an import without verdict): ``unknown``;
+- a ``wrong`` label turns ``success``/``unknown`` into ``wrong``; a ``correct`` label
+  turns ``unknown`` into ``success``. Other failures keep their more specific outcome.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ingest.events import EventBase, Label, LlmCall, RunEnd, RunStart, Step, ToolCall
+
+SEEN_EVENT_IDS = 4096
+
+_REASON_OUTCOME = {
+    "crash": "hard_error",
+    "loop_detector": "looped",
+    "drift_monitor": "looped",
+    "cap": "budget_exhausted",
+    "cannot_complete": "gave_up",
+    "model_done": "success",
+    "cancelled": "abandoned",
+}
+
+
+def ms(event: EventBase) -> int:
+    return int(event.ts.timestamp() * 1000)
+
+
+@dataclass
+class RunState:
+    run_id: str
+    partition: int
+    agent: str = ""
+    agent_version: str = ""
+    task_type: str = ""
+    model: str = ""
+    prompt_version: str = ""
+    deployment: str = ""
+    traffic_slice: str = ""
+    worker_id: str = ""
+    started_ms: int | None = None
+    first_ms: int = 0
+    last_ms: int = 0
+    end_ms: int | None = None
+    abandoned_ms: int | None = None
+    terminal_reason: str = ""
+    cap: str = ""
+    verdict: str = ""
+    label_source: str = ""
+    steps: int = 0
+    llm_calls: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    llm_errors: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_read_tokens: int = 0
+    cache_creation_tokens: int = 0
+    cost_usd: float = 0.0
+    reported_cost_usd: float = 0.0
+    loop_detected: bool = False
+    loop_summary: str = ""
+    recent_actions: list[str] = field(default_factory=list)
+    seen: list[str] = field(default_factory=list)
+    version: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunState:
+        return cls(**data)
+
+    @property
+    def closed(self) -> bool:
+        return self.end_ms is not None or self.abandoned_ms is not None
+
+    @property
+    def closed_ms(self) -> int | None:
+        return self.end_ms if self.end_ms is not None else self.abandoned_ms
+
+    @property
+    def outcome(self) -> str:
+        """The one outcome of a closed run; '' while it runs."""
+        if self.end_ms is not None:
+            base = _REASON_OUTCOME.get(self.terminal_reason, "unknown")
+            if self.loop_detected and base in ("success", "budget_exhausted", "gave_up"):
+                base = "looped"
+        elif self.abandoned_ms is not None:
+            base = "abandoned"
+        else:
+            return ""
+        if self.verdict == "wrong" and base in ("success", "unknown"):
+            return "wrong"
+        if self.verdict == "correct" and base == "unknown":
+            return "success"
+        return base
+
+
+def new_state(event: EventBase, partition: int) -> RunState:
+    return RunState(run_id=event.run_id, partition=partition, first_ms=ms(event))
+
+
+def _take_dimensions(state: RunState, event: EventBase, authoritative: bool) -> None:
+    for name in ("agent", "agent_version", "task_type", "model", "prompt_version",
+                 "deployment", "traffic_slice", "worker_id"):
+        value = getattr(event, name)
+        if value and (authoritative or not getattr(state, name)):
+            setattr(state, name, value)
+
+
+def _detect_loop(state: RunState, action: str, window: int, repeats: int) -> None:
+    state.recent_actions = [*state.recent_actions, action][-window:]
+    if state.loop_detected:
+        return
+    count = Counter(state.recent_actions)[action]
+    if count >= repeats:
+        tool, _, args_hash = action.partition(":")
+        state.loop_detected = True
+        state.loop_summary = (
+            f"{tool} called {count}x with args {args_hash} within {window} tool calls"
+        )
+
+
+def apply_event(
+    state: RunState,
+    event: EventBase,
+    *,
+    priced_cost: float = 0.0,
+    loop_window: int = 10,
+    loop_repeats: int = 3,
+) -> bool:
+    """Fold one event into the run; False when it was already applied (a redelivery).
+
+    >>> from ingest.events import ToolCall
+    >>> s = RunState("r", 0)
+    >>> calls = [ToolCall(run_id="r", agent="a", tool="grep", args_hash="h") for _ in range(3)]
+    >>> [apply_event(s, c) for c in calls], s.loop_detected, apply_event(s, calls[0])
+    ([True, True, True], True, False)
+    """
+    event_id = str(event.event_id)
+    if event_id in state.seen:
+        return False
+    state.seen = [*state.seen, event_id][-SEEN_EVENT_IDS:]
+    state.version += 1
+    when = ms(event)
+    state.last_ms = max(state.last_ms, when)
+    state.first_ms = min(state.first_ms or when, when)
+    _take_dimensions(state, event, authoritative=isinstance(event, RunStart))
+    if isinstance(event, RunStart):
+        state.started_ms = when
+    elif isinstance(event, Step):
+        state.steps += 1
+    elif isinstance(event, LlmCall):
+        state.llm_calls += 1
+        state.llm_errors += int(event.error_type is not None and event.http_status != 429)
+        state.input_tokens += event.input_tokens
+        state.output_tokens += event.output_tokens
+        state.cache_read_tokens += event.cache_read_input_tokens
+        state.cache_creation_tokens += event.cache_creation_input_tokens
+        state.cost_usd += priced_cost
+        state.reported_cost_usd += event.cost_usd or 0.0
+    elif isinstance(event, ToolCall):
+        state.tool_calls += 1
+        state.tool_errors += int(event.error_type is not None or event.timed_out)
+        _detect_loop(state, f"{event.tool}:{event.args_hash}", loop_window, loop_repeats)
+    elif isinstance(event, RunEnd):
+        state.end_ms = when
+        state.abandoned_ms = None
+        state.terminal_reason = event.terminal_reason or ""
+        state.cap = event.cap or ""
+    elif isinstance(event, Label):
+        state.verdict = event.verdict
+        state.label_source = event.label_source
+    return True
+
+
+def abandon_if_expired(state: RunState, watermark_ms: int, ttl_ms: int) -> bool:
+    """Close a run with no ``run.end`` once event time passes its last event + TTL.
+
+    >>> s = RunState("r", 0, last_ms=1_000)
+    >>> abandon_if_expired(s, 5_000, 10_000), abandon_if_expired(s, 11_000, 10_000), s.outcome
+    (False, True, 'abandoned')
+    """
+    if state.closed or watermark_ms < state.last_ms + ttl_ms:
+        return False
+    state.abandoned_ms = state.last_ms + ttl_ms
+    state.version += 1
+    return True

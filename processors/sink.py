@@ -1,0 +1,85 @@
+"""Where derived rows go. A sink has one job: make a batch durable, or say it could not.
+
+Commit order (the delivery guarantee of the whole pipeline): a batch's rows are written
+through :meth:`Sink.write_batch`; only when it returns are the batch's Kafka messages
+acknowledged, and faust commits acknowledged offsets later, after flushing the state
+changelog. A crash anywhere before that re-delivers the batch; every table is keyed so
+that re-writing a row is harmless (ReplacingMergeTree on ``event_id``, or on ``run_id``
+with a version), so re-processing never double counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from clickhouse_connect.driver.client import Client
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RowBatch:
+    """Rows per table, ready to insert."""
+
+    tables: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: defaultdict(list))
+
+    def add(self, table: str, row: dict[str, Any]) -> None:
+        self.tables[table].append(row)
+
+    def extend(self, other: RowBatch) -> None:
+        for table, rows in other.tables.items():
+            self.tables[table].extend(rows)
+
+    def __len__(self) -> int:
+        return sum(len(rows) for rows in self.tables.values())
+
+
+class Sink(Protocol):
+    def write_batch(self, batch: RowBatch) -> None:
+        """Return only once every row is accepted; raise if any was not (nothing acked)."""
+
+
+class ClickHouseSink:
+    """Inserts each table's rows in one statement. At-least-once; idempotent by keys."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    def write_batch(self, batch: RowBatch) -> None:
+        for table, rows in batch.tables.items():
+            if not rows:
+                continue
+            columns = list(rows[0])
+            self._client.insert(
+                table, [[row[name] for name in columns] for row in rows], column_names=columns
+            )
+
+
+class RetryingSink:
+    """Blocks until the inner sink accepts the batch: the pipeline's backpressure.
+
+    While the store is down the processor simply stops here, nothing is acked, and
+    Kafka keeps the backlog; when the store returns, the same batch is written.
+    """
+
+    def __init__(self, inner: Sink, retry_s: float, on_failure: Any = None) -> None:
+        self._inner = inner
+        self._retry_s = retry_s
+        self._on_failure = on_failure
+        self.failures = 0
+
+    def write_batch(self, batch: RowBatch) -> None:
+        while True:
+            try:
+                self._inner.write_batch(batch)
+                return
+            except Exception as exc:
+                self.failures += 1
+                log.warning("store rejected a batch of %d rows (%s); retrying", len(batch), exc)
+                if self._on_failure is not None:
+                    self._on_failure(exc)
+                time.sleep(self._retry_s)

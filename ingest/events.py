@@ -32,7 +32,8 @@ SCHEMA_MINOR = 0
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 Outcome = Literal[
-    "success", "hard_error", "budget_exhausted", "gave_up", "looped", "wrong", "abandoned", "unknown"
+    "success", "hard_error", "budget_exhausted", "gave_up", "looped", "wrong", "abandoned",
+    "unknown",
 ]
 OUTCOMES: tuple[str, ...] = (
     "success",
@@ -79,7 +80,8 @@ def check_schema_version(version: str) -> str:
 def canonical_args_hash(tool: str, args: Any) -> str:
     """sha256 over ``tool`` and canonical JSON of ``args`` (sorted keys), first 16 hex.
 
-    >>> canonical_args_hash("grep", {"b": 1, "a": 2}) == canonical_args_hash("grep", {"a": 2, "b": 1})
+    >>> h = canonical_args_hash
+    >>> h("grep", {"b": 1, "a": 2}) == h("grep", {"a": 2, "b": 1}) != h("grep", {"a": 3, "b": 1})
     True
     """
     body = orjson.dumps(args, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)

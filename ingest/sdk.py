@@ -1,10 +1,13 @@
 """The emitter SDK: what an agent calls.
 
->>> # with Emitter("127.0.0.1:9092") as emitter:                    # doctest: +SKIP
->>> #     with emitter.run(agent="support", task_type="refund", model="gpt-4o") as run:
->>> #         run.llm_call(input_tokens=1200, output_tokens=80, cache_read_input_tokens=1000)
->>> #         run.tool_call("lookup_order", args={"id": 7}, latency_ms=35)
->>> #         run.end("model_done")
+Usage (``bootstrap`` is what ``loopwatch up`` prints)::
+
+    with Emitter(bootstrap) as emitter:
+        with emitter.run(agent="support", task_type="refund", model="gpt-4o") as run:
+            run.step()
+            run.llm_call(input_tokens=1200, output_tokens=80, cache_read_input_tokens=1000)
+            run.tool_call("lookup_order", args={"id": 7}, latency_ms=35)
+            run.end("model_done")
 
 Delivery guarantee: at-least-once. Events are validated at the call site (a bad field
 raises ``pydantic.ValidationError`` there), queued, and sent by a background thread
@@ -384,7 +387,8 @@ class RunContext:
         started = time.monotonic()
         step = max(0, self.step_number - 1)
         timeout_ms = timeout_s * 1000
-        base = {"tool": tool, "args": args, "timeout_ms": timeout_ms, "step": step}
+        base: dict[str, Any] = {"tool": tool, "args": args, "timeout_ms": timeout_ms,
+                                "step": step}
         future = self.emitter._run_late(lambda: fn(**args))
         try:
             result = future.result(timeout=timeout_s)

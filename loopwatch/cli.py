@@ -93,20 +93,49 @@ def query(
     as_json: JsonFlag = False,
 ) -> None:
     """Run a read-only query in loopwatch's database (through a running `up` if any)."""
+    _print_query(data_dir, sql, {}, as_json)
+
+
+@app.command()
+def investigate(
+    name: Annotated[str, typer.Argument(help="one of the README's investigation queries")],
+    param: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, e.g. run_id=...")] = None,
+    agent: Annotated[str, typer.Option(help="only this agent ('' = all)")] = "",
+    data_dir: DataDir = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Run a named investigation query (top_cost_runs, loop_pattern, ...)."""
+    from loopwatch.investigations import investigations
+
+    known = investigations()
+    if name not in known:
+        console.print(f"[red]unknown investigation {name!r}[/red]; one of: {', '.join(known)}")
+        raise typer.Exit(2)
+    chosen = known[name]
+    values = {"agent": agent, **dict(item.split("=", 1) for item in param or [])}
+    missing = [key for key in chosen.parameters if key not in values]
+    if missing:
+        console.print(f"[red]{name} needs --param {missing[0]}=...[/red]")
+        raise typer.Exit(2)
+    _print_query(data_dir, chosen.sql, {k: values[k] for k in chosen.parameters}, as_json,
+                 title=chosen.purpose)
+
+
+def _print_query(data_dir: Path | None, sql: str, parameters: dict[str, Any], as_json: bool,
+                 title: str | None = None) -> None:
     from loopwatch.store.reader import QueryError, open_reader
+    from loopwatch.store.service import dumps
 
     settings = settings_from(data_dir)
     try:
-        result = open_reader(settings).query(sql)
+        result = open_reader(settings).query(sql, parameters)
     except QueryError as exc:
         console.print(f"[red]query failed:[/red] {exc}")
         raise typer.Exit(1) from None
     if as_json:
-        from loopwatch.store.service import dumps
-
         sys.stdout.write(dumps(result.records()).decode() + "\n")
     else:
-        print_table(result.columns, result.rows)
+        print_table(result.columns, result.rows, title=title)
 
 
 @dlq_app.command("list")
@@ -157,6 +186,19 @@ def reprocess(
         moment = moment.replace(tzinfo=UTC)
     summary = reprocess_since(settings, moment)
     console.print(f"reprocessed {summary['events']} events of {summary['runs']} runs")
+
+
+@app.command()
+def schema(
+    output: Annotated[Path | None, typer.Argument(help="file to write; default stdout")] = None,
+) -> None:
+    """Export the event contract (single events and envelopes) as JSON Schema."""
+    from ingest.jsonschema import render
+
+    if output is None:
+        sys.stdout.write(render().decode())
+    else:
+        output.write_bytes(render())
 
 
 def main() -> None:

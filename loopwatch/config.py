@@ -70,7 +70,7 @@ class Settings(BaseSettings):
     label_window_s: float = Field(
         86400.0, gt=0, description="closed runs stay in processor state this long for labels"
     )
-    loop: LoopDetectorSettings = Field(default_factory=LoopDetectorSettings)
+    loop: LoopDetectorSettings = Field(default_factory=lambda: LoopDetectorSettings())
     loop_by_task_type: dict[str, LoopDetectorSettings] = Field(default_factory=dict)
     near_miss_factor: float = Field(1.3, gt=1.0)
     cost_mismatch_tolerance: float = Field(

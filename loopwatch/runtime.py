@@ -9,16 +9,20 @@ embedded broker forgets everything when it stops.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 import faust
 import orjson
 
 from loopwatch.config import Settings
+from loopwatch.deadletters import replay_pending
 from loopwatch.embedded.broker import EmbeddedBroker
+from loopwatch.reprocess import reprocess_with
 from loopwatch.store.clickhouse import connect, migrate
 from loopwatch.store.service import StoreService
 from loopwatch.topics import ensure_topics
@@ -37,6 +41,7 @@ class DrainingWorker(faust.Worker):
         self._processor = processor
         self._drain_timeout_s = drain_timeout_s
         self._draining = False
+        self._drain_task: asyncio.Future[None] | None = None
 
     def _on_sigint(self) -> None:
         self._drain_then_stop()
@@ -49,7 +54,7 @@ class DrainingWorker(faust.Worker):
             super()._on_sigterm()
             return
         self._draining = True
-        asyncio.ensure_future(self._drain(), loop=self.loop)
+        self._drain_task = asyncio.ensure_future(self._drain(), loop=self.loop)
 
     async def _drain(self) -> None:
         deadline = time.monotonic() + self._drain_timeout_s
@@ -102,8 +107,15 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
                     "sink_failures": processor.sink.failures,
                     "caught_up": processor.caught_up()}
 
+        admin_client = connect(settings)
+        actions = {
+            "dlq-replay": lambda body: {
+                "replayed": replay_pending(admin_client, bootstrap, settings)},
+            "reprocess": lambda body: reprocess_with(
+                admin_client, settings, datetime.fromisoformat(body["since"])),
+        }
         service = StoreService(connect(settings), status, settings.service_file,
-                               settings.service_host, settings.service_port)
+                               settings.service_host, settings.service_port, actions)
         announcement = {"kafka_bootstrap": bootstrap, "store": store,
                         "events_topic": settings.events_topic,
                         "embedded_broker": broker is not None}
@@ -112,10 +124,8 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
             on_ready({**announcement, "url": url})
         worker = DrainingWorker(processor, drain_timeout_s, loglevel=loglevel, quiet=True,
                                 logfile=str(settings.data_dir / "logs" / "worker.log"))
-        try:
+        with contextlib.suppress(SystemExit):
             worker.execute_from_commandline()
-        except SystemExit:
-            pass
     finally:
         if service is not None:
             service.stop()

@@ -11,6 +11,7 @@ volatile prefix and misses the prompt cache.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import math
@@ -21,6 +22,7 @@ import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from ingest.sdk import Emitter, RunContext
 from processors.pricing import PriceTable
@@ -182,13 +184,14 @@ class RunScript:
         outcome = self.outcome
         if outcome == "abandoned":
             return  # the worker died: no run.end, ever
-        reason, extra = {
+        endings: dict[str, tuple[str, dict[str, Any]]] = {
             "hard_error": ("crash", {"error_type": "ToolCrash"}),
             "budget_exhausted": ("cap", {"cap": "step", "step_cap": self.profile.step_cap}),
             "gave_up": ("cannot_complete", {}),
             # half the loopers believe they are done: only the detector catches them
             "looped": (self.rng.choice(("loop_detector", "model_done")), {}),
-        }.get(outcome, ("model_done", {}))
+        }
+        reason, extra = endings.get(outcome, ("model_done", {}))
         run.end(reason, **extra)
         if outcome == "wrong" or (outcome == "success" and self.rng.random() < 0.2):
             verdict = "wrong" if outcome == "wrong" else "correct"
@@ -247,10 +250,8 @@ class FleetSimulator:
                 break
             while self._queue and self._queue[0][0] <= now:
                 _, _, plan = heapq.heappop(self._queue)
-                try:
+                with contextlib.suppress(StopIteration):
                     self._schedule(next(plan), plan)
-                except StopIteration:
-                    pass
             if on_tick is not None and now - last_tick >= 0.5:
                 last_tick = now
                 on_tick(self.result)

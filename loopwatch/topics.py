@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from kafka.admin import KafkaAdminClient, NewTopic
@@ -27,9 +28,7 @@ def ensure_topics(bootstrap: str, settings: Settings, timeout_s: float = 30.0) -
         missing = [NewTopic(name, partitions, 1) for name, partitions in wanted.items()
                    if name not in existing]
         if missing:
-            try:
+            with contextlib.suppress(TopicAlreadyExistsError):
                 admin.create_topics(missing)
-            except TopicAlreadyExistsError:
-                pass
     finally:
         admin.close()

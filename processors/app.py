@@ -138,7 +138,8 @@ class Processor:
         await self._write(self.pipeline.sweep())
 
     def _ready(self) -> bool:
-        return bool(self.app.tables.recovery.completed.is_set()) and not self.app.rebalancing
+        recovery = self.app.tables.recovery  # type: ignore[attr-defined]
+        return bool(recovery.completed.is_set()) and not self.app.rebalancing
 
     def _adopt_open_runs(self) -> None:
         """After an assignment, take over open runs ClickHouse knows and the table lacks.

@@ -7,13 +7,12 @@ The seed's worked example (15 steps, a 6,000-token stable block, 400 new tokens 
 step, Sonnet-class $3/MTok): $0.396 uncached, about $0.174 cached.
 
 >>> table = PriceTable.load()
->>> uncached = sum(table.cost("claude-sonnet-4", 6000 + 400 * k, 0, 0, 0).cost_usd for k in range(15))
+>>> def step_cost(k, read, write):
+...     return table.cost("claude-sonnet-4", 6000 + 400 * k, 0, read, write).cost_usd
+>>> uncached = sum(step_cost(k, 0, 0) for k in range(15))
 >>> round(uncached, 4)
 0.396
->>> write = table.cost("claude-sonnet-4", 6000, 0, 0, 6000).cost_usd
->>> reads = sum(table.cost("claude-sonnet-4", 6000 + 400 * k, 0, 6000, 0).cost_usd
-...             for k in range(1, 15))
->>> round(write + reads, 4)
+>>> round(step_cost(0, 0, 6000) + sum(step_cost(k, 6000, 0) for k in range(1, 15)), 4)
 0.1737
 """
 
@@ -88,8 +87,10 @@ class PriceTable:
 def cost_mismatch(reported: float | None, computed: float, tolerance: float) -> bool:
     """True when the agent's own cost differs from ours by more than ``tolerance`` (relative).
 
-    >>> cost_mismatch(0.0102, 0.01, 0.05), cost_mismatch(0.02, 0.01, 0.05), cost_mismatch(None, 1, 0)
-    (False, True, False)
+    >>> cost_mismatch(0.0102, 0.01, 0.05), cost_mismatch(0.02, 0.01, 0.05)
+    (False, True)
+    >>> cost_mismatch(None, 1.0, 0.0)
+    False
     """
     if reported is None:
         return False

@@ -48,16 +48,19 @@ class ServiceReader:
         with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
             return dict(orjson.loads(response.read()))
 
-    def query(self, sql: str, parameters: dict[str, Any] | None = None) -> QueryResult:
-        body = orjson.dumps({"sql": sql, "parameters": parameters or {}})
+    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         request = urllib.request.Request(
-            f"{self.url}/query", data=body, headers={"Content-Type": "application/json"}
+            f"{self.url}{path}", data=orjson.dumps(body, default=str),
+            headers={"Content-Type": "application/json"},
         )
         try:
             with urllib.request.urlopen(request, timeout=self._timeout_s) as response:
-                payload = orjson.loads(response.read())
+                return dict(orjson.loads(response.read()))
         except urllib.error.HTTPError as exc:
             raise QueryError(orjson.loads(exc.read()).get("error", str(exc))) from exc
+
+    def query(self, sql: str, parameters: dict[str, Any] | None = None) -> QueryResult:
+        payload = self.post("/query", {"sql": sql, "parameters": parameters or {}})
         return QueryResult(payload["columns"], payload["rows"])
 
 

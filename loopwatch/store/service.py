@@ -30,7 +30,11 @@ def dumps(value: Any) -> bytes:
 
 
 class StoreService:
-    """Serves ``GET /health`` and ``POST /query`` ({sql, parameters}) on loopback."""
+    """Serves ``GET /health``, ``POST /query`` ({sql, parameters}) and admin actions.
+
+    Admin actions (``POST /admin/<name>``) are the few writes other processes need from
+    the owner, e.g. ``dlq-replay`` and ``reprocess``; each takes and returns JSON.
+    """
 
     def __init__(
         self,
@@ -39,8 +43,10 @@ class StoreService:
         service_file: Path,
         host: str = "127.0.0.1",
         port: int = 0,
+        actions: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] | None = None,
     ) -> None:
         self._reader = reader
+        self._actions = actions or {}
         self._lock = threading.Lock()
         self._status = status
         self._service_file = service_file
@@ -52,7 +58,7 @@ class StoreService:
     @property
     def url(self) -> str:
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host!s}:{port}"
 
     def start(self, announce: dict[str, Any]) -> str:
         self._thread.start()
@@ -94,15 +100,21 @@ class StoreService:
                     self._reply(404, {"error": f"no such endpoint {self.path}"})
 
             def do_POST(self) -> None:
-                if self.path != "/query":
+                action = service._actions.get(self.path.removeprefix("/admin/"))
+                if self.path != "/query" and action is None:
                     self._reply(404, {"error": f"no such endpoint {self.path}"})
                     return
                 try:
                     length = int(self.headers.get("Content-Length", "0"))
                     body = orjson.loads(self.rfile.read(length))
-                    result = service.query(str(body["sql"]), dict(body.get("parameters") or {}))
+                    if action is not None:
+                        result = action(body)
+                    else:
+                        result = service.query(str(body["sql"]),
+                                               dict(body.get("parameters") or {}))
                 except Exception as exc:
-                    self._reply(400, {"error": str(exc).strip().splitlines()[0][:2000]})
+                    message = str(exc).strip().splitlines()
+                    self._reply(400, {"error": (message[0] if message else repr(exc))[:2000]})
                     return
                 self._reply(200, result)
 

@@ -42,7 +42,7 @@ SELECT
     count() AS calls,
     sum(timed_out) AS timeouts,
     countIf(near_miss IS NOT NULL) AS timeouts_known_duration,
-    sumIf(near_miss, near_miss IS NOT NULL) AS near_misses,
+    countIf(near_miss = 1) AS near_misses,
     sum(is_error) AS errors,
     timeouts / calls AS timeout_rate,
     near_misses / nullIf(timeouts_known_duration, 0) AS near_miss_ratio,

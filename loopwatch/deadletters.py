@@ -1,0 +1,79 @@
+"""Dead letters: list them, and re-submit them after a fix (``loopwatch dlq``).
+
+Replaying sends each payload back to the events topic and records ``replayed_at`` on
+its row (a new version of it). If the payload is still bad it returns as a new dead
+letter with a new source, so nothing is lost either way. Replaying writes, so in the
+embedded default it runs inside the process that owns the store.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+from clickhouse_connect.driver.client import Client
+from kafka import KafkaProducer
+
+from ingest.sdk import partition_for
+from loopwatch.config import Settings
+from loopwatch.store.clickhouse import QueryResult, connect, run_query
+from loopwatch.store.reader import Reader, ServiceReader, running_service
+
+LIST_SQL = """
+SELECT id, received_at, reason, source, run_id, substring(payload, 1, 160) AS payload,
+       replayed_at
+FROM dead_letters FINAL ORDER BY received_at DESC, id LIMIT {limit:UInt32}
+"""
+PENDING_SQL = """
+SELECT id, received_at, source, reason, run_id, payload, version
+FROM dead_letters FINAL WHERE replayed_at IS NULL ORDER BY received_at, id
+"""
+
+
+def list_dead_letters(reader: Reader, limit: int) -> QueryResult:
+    return reader.query(LIST_SQL, {"limit": limit})
+
+
+def _partition(payload: str, partitions: int) -> int:
+    try:
+        run_id = orjson.loads(payload).get("run_id", "")
+    except (orjson.JSONDecodeError, AttributeError):
+        return 0
+    return partition_for(str(run_id), partitions) if run_id else 0
+
+
+def replay_pending(client: Client, bootstrap: str, settings: Settings) -> int:
+    """Send every not-yet-replayed dead letter back to the events topic; mark it replayed."""
+    pending = run_query(client, PENDING_SQL).records()
+    if not pending:
+        return 0
+    producer = KafkaProducer(bootstrap_servers=bootstrap.split(","), acks="all")
+    try:
+        partitions = len(producer.partitions_for(settings.events_topic) or {0})
+        for letter in pending:
+            producer.send(settings.events_topic, value=letter["payload"].encode(),
+                          partition=_partition(letter["payload"], partitions))
+        producer.flush(timeout=30)
+    finally:
+        producer.close(timeout=5)
+    now = datetime.now(UTC)
+    columns = ["id", "received_at", "source", "reason", "run_id", "payload", "replayed_at",
+               "version"]
+    client.insert("dead_letters", [
+        [row["id"], row["received_at"], row["source"], row["reason"], row["run_id"],
+         row["payload"], now, row["version"] + 1]
+        for row in pending
+    ], column_names=columns)
+    return len(pending)
+
+
+def replay_dead_letters(settings: Settings) -> int:
+    announced = running_service(settings)
+    if announced is not None:
+        result: dict[str, Any] = ServiceReader(announced["url"]).post("/admin/dlq-replay", {})
+        return int(result["replayed"])
+    if settings.kafka_bootstrap is None:
+        raise RuntimeError("dlq replay needs a broker: start `loopwatch up` on this data dir, "
+                           "or set LOOPWATCH_KAFKA_BOOTSTRAP")
+    return replay_pending(connect(settings), settings.kafka_bootstrap, settings)

@@ -1,0 +1,95 @@
+"""Recompute derived rows from stored raw events (after a price-table or config change).
+
+For every run closed since a time: re-fold its stored events through a fresh
+:class:`processors.pipeline.Pipeline` (current prices and settings), and rewrite its
+``llm_calls``, ``tool_calls`` and ``runs`` rows. Runs still open are left to the live
+processors, which own their state. Rewritten rows replace the old ones through the
+tables' dedup keys, so reprocessing twice changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import datetime
+from typing import Any
+
+import orjson
+from clickhouse_connect.driver.client import Client
+
+from loopwatch.config import Settings
+from loopwatch.store.clickhouse import connect, run_query
+from loopwatch.store.reader import ServiceReader, running_service
+from processors.pipeline import Pipeline, RawMessage
+from processors.rows import run_row
+from processors.runs import RunState
+from processors.sink import ClickHouseSink
+
+RUNS_SQL = """
+SELECT run_id, state FROM runs FINAL
+WHERE status = 'closed' AND closed_ts >= {since:DateTime64(3, 'UTC')}
+"""
+EVENTS_SQL = """
+SELECT run_id, payload, kafka_partition, kafka_offset FROM events FINAL
+WHERE run_id IN {run_ids:Array(String)} ORDER BY run_id, ts, kafka_offset
+"""
+
+
+class MemoryRunStore:
+    """A plain dict of run states (one reprocess pass needs nothing more)."""
+
+    def __init__(self) -> None:
+        self.runs: dict[str, RunState] = {}
+
+    def get(self, run_id: str) -> RunState | None:
+        return self.runs.get(run_id)
+
+    def put(self, state: RunState) -> None:
+        self.runs[state.run_id] = state
+
+    def delete(self, state: RunState) -> None:
+        self.runs.pop(state.run_id, None)
+
+    def states(self) -> Iterator[RunState]:
+        return iter(list(self.runs.values()))
+
+
+def reprocess_with(client: Client, settings: Settings, since: datetime,
+                   chunk: int = 500) -> dict[str, Any]:
+    closed = run_query(client, RUNS_SQL, {"since": since}).rows
+    stored = {run_id: RunState.from_dict(orjson.loads(state)) for run_id, state in closed}
+    sink = ClickHouseSink(client)
+    run_ids = sorted(stored)
+    events = 0
+    for start in range(0, len(run_ids), chunk):
+        batch = run_ids[start:start + chunk]
+        store = MemoryRunStore()
+        pipeline = Pipeline(settings, store)
+        messages = [
+            RawMessage(settings.events_topic, int(partition), int(offset), payload.encode())
+            for _run_id, payload, partition, offset in
+            run_query(client, EVENTS_SQL, {"run_ids": batch}).rows
+        ]
+        events += len(messages)
+        work = pipeline.process(messages)
+        work.rows.tables.pop("events", None)
+        work.rows.tables.pop("dead_letters", None)
+        work.rows.tables["runs"] = []
+        for run_id in batch:
+            state = store.get(run_id)
+            if state is None:
+                continue
+            original = stored[run_id]
+            if state.end_ms is None and original.abandoned_ms is not None:
+                state.abandoned_ms = original.abandoned_ms
+                state.version += 1
+            work.rows.add("runs", run_row(state))
+        sink.write_batch(work.rows)
+    return {"runs": len(run_ids), "events": events}
+
+
+def reprocess_since(settings: Settings, since: datetime) -> dict[str, Any]:
+    announced = running_service(settings)
+    if announced is not None:
+        return ServiceReader(announced["url"]).post("/admin/reprocess",
+                                                    {"since": since.isoformat()})
+    return reprocess_with(connect(settings), settings, since)

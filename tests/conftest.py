@@ -1,0 +1,94 @@
+"""Shared fixtures: one real Tansu broker and one real processor (``loopwatch up`` owning
+a real chdb store) for the whole session, since every consumer-group join costs 5-25 s.
+
+Tests isolate themselves by agent name (``agent`` fixture), never by fresh services.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from ingest.sdk import Emitter
+from loopwatch.embedded.broker import EmbeddedBroker
+from loopwatch.store.reader import ServiceReader
+from loopwatch.upprocess import UpProcess
+
+T = TypeVar("T")
+
+PIPELINE_ENV = {
+    "LOOPWATCH_ABANDON_TTL_S": "6",
+    "LOOPWATCH_IDLE_ADVANCE_S": "2",
+    "LOOPWATCH_LATE_ALLOWANCE_S": "1",
+    "LOOPWATCH_BATCH_MAX_WAIT_S": "0.2",
+    "LOOPWATCH_SESSION_TIMEOUT_S": "6",
+    "LOOPWATCH_MAX_MESSAGE_BYTES": "200000",
+    "LOOPWATCH_PARTITIONS": "4",
+}
+
+
+def wait_for(probe: Callable[[], T], timeout_s: float = 60.0, interval_s: float = 0.3,
+             what: str = "condition") -> T:
+    """Poll until ``probe()`` is truthy; return it, or fail with the last value seen."""
+    deadline = time.monotonic() + timeout_s
+    value = probe()
+    while not value:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}: {value!r}")
+        time.sleep(interval_s)
+        value = probe()
+    return value
+
+
+@pytest.fixture(scope="session")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedBroker]:
+    with EmbeddedBroker(tmp_path_factory.mktemp("broker") / "broker.log") as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def pipeline(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[UpProcess]:
+    """The processor, as a child ``loopwatch up`` on the session broker; tests may kill and
+    restart it (``restart_pipeline``), which keeps this object valid."""
+    up = UpProcess(tmp_path_factory.mktemp("store"),
+                   {**PIPELINE_ENV, "LOOPWATCH_KAFKA_BOOTSTRAP": broker.bootstrap})
+    up.start()
+    yield up
+    up.stop()
+
+
+@pytest.fixture(scope="session")
+def reader(pipeline: UpProcess) -> ServiceReader:
+    return ServiceReader(pipeline.info["url"])
+
+
+@pytest.fixture()
+def emitter(broker: EmbeddedBroker, tmp_path: Path) -> Iterator[Emitter]:
+    with Emitter(broker.bootstrap, spool_dir=tmp_path / "spool",
+                 max_message_bytes=100_000) as running:
+        yield running
+
+
+@pytest.fixture()
+def agent() -> str:
+    return f"agent-{uuid.uuid4().hex[:10]}"
+
+
+def scalar(reader: ServiceReader, sql: str, **parameters: Any) -> Any:
+    return reader.query(sql, parameters).scalar()
+
+
+def stored_events(reader: ServiceReader, agent: str) -> int:
+    return int(scalar(reader, "SELECT count() FROM events FINAL WHERE agent = {a:String}",
+                      a=agent))
+
+
+def wait_stored(reader: ServiceReader, agent: str, events: int, timeout_s: float = 90) -> None:
+    wait_for(lambda: stored_events(reader, agent) >= events, timeout_s,
+             what=f"{events} events of {agent} stored")

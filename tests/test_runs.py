@@ -1,0 +1,117 @@
+"""Run assembly and outcome labelling, on scripted events (no services needed)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from ingest.events import EventBase, Label, LlmCall, RunEnd, RunStart, Step, ToolCall
+from processors.runs import RunState, abandon_if_expired, apply_event
+
+T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+
+
+def fold(*events: EventBase, window: int = 10, repeats: int = 3) -> RunState:
+    state = RunState("r", 0)
+    for event in events:
+        apply_event(state, event, loop_window=window, loop_repeats=repeats)
+    return state
+
+
+def ev(kind: type[EventBase], seconds: float = 0, **fields) -> EventBase:
+    return kind(run_id="r", agent="a", ts=T0 + timedelta(seconds=seconds), **fields)
+
+
+@pytest.mark.parametrize(
+    ("reason", "cap", "outcome"),
+    [
+        ("model_done", None, "success"),
+        ("crash", None, "hard_error"),
+        ("cap", "step", "budget_exhausted"),
+        ("cannot_complete", None, "gave_up"),
+        ("loop_detector", None, "looped"),
+        ("drift_monitor", None, "looped"),
+        ("cancelled", None, "abandoned"),
+        (None, None, "unknown"),
+    ],
+)
+def test_terminal_reason_decides_the_outcome(reason, cap, outcome):
+    state = fold(ev(RunStart), ev(RunEnd, 1, terminal_reason=reason, cap=cap))
+    assert state.outcome == outcome
+    assert state.closed
+
+
+def test_a_running_run_has_no_outcome():
+    assert fold(ev(RunStart), ev(Step, 1, step=0)).outcome == ""
+
+
+def grep(seconds: float, args: str) -> ToolCall:
+    return ev(ToolCall, seconds, tool="grep", args_hash=args)  # type: ignore[return-value]
+
+
+def test_loop_detector_trips_on_three_identical_calls_within_ten():
+    calls = [grep(i, "same" if i in (0, 4, 9) else f"other{i}") for i in range(10)]
+    state = fold(ev(RunStart), *calls, ev(RunEnd, 20, terminal_reason="model_done"))
+    assert state.loop_detected
+    assert state.loop_summary == "grep called 3x with args same within 10 tool calls"
+    assert state.outcome == "looped"
+
+
+def test_three_identical_calls_spread_over_eleven_do_not_trip():
+    calls = [grep(i, "same" if i in (0, 5, 10) else f"other{i}") for i in range(11)]
+    assert not fold(*calls).loop_detected
+
+
+def test_loop_threshold_is_configurable():
+    calls = [grep(i, "same") for i in range(3)]
+    assert not fold(*calls, repeats=4).loop_detected
+    assert fold(*calls, grep(4, "same"), repeats=4).loop_detected
+
+
+def test_looping_agent_that_hit_its_cap_is_looped_but_a_crash_stays_a_crash():
+    calls = [grep(i, "same") for i in range(3)]
+    assert fold(*calls, ev(RunEnd, 9, terminal_reason="cap", cap="step")).outcome == "looped"
+    assert fold(*calls, ev(RunEnd, 9, terminal_reason="crash")).outcome == "hard_error"
+
+
+def test_late_wrong_label_revises_success_but_not_other_failures():
+    success = fold(ev(RunStart), ev(RunEnd, 1, terminal_reason="model_done"))
+    apply_event(success, ev(Label, 60, verdict="wrong"))
+    assert success.outcome == "wrong"
+    gave_up = fold(ev(RunStart), ev(RunEnd, 1, terminal_reason="cannot_complete"))
+    apply_event(gave_up, ev(Label, 60, verdict="wrong"))
+    assert gave_up.outcome == "gave_up"
+
+
+def test_a_verdict_labels_an_imported_run_without_one():
+    imported = fold(ev(RunStart), ev(RunEnd, 1))
+    assert imported.outcome == "unknown"
+    apply_event(imported, ev(Label, 2, verdict="correct"))
+    assert imported.outcome == "success"
+
+
+def test_redelivered_events_are_applied_once():
+    call = ev(LlmCall, 1, input_tokens=100, output_tokens=10)
+    state = fold(ev(RunStart), call)
+    assert apply_event(state, call, priced_cost=1.0) is False
+    assert (state.llm_calls, state.input_tokens, state.cost_usd, state.version) == (1, 100, 0, 2)
+
+
+def test_abandonment_runs_on_event_time_and_a_late_end_revises_it():
+    state = fold(ev(RunStart), ev(Step, 5, step=0))
+    last_ms = int((T0 + timedelta(seconds=5)).timestamp() * 1000)
+    assert not abandon_if_expired(state, last_ms + 59_999, 60_000)
+    assert abandon_if_expired(state, last_ms + 60_000, 60_000)
+    assert (state.outcome, state.closed_ms) == ("abandoned", last_ms + 60_000)
+    apply_event(state, ev(RunEnd, 120, terminal_reason="model_done"))
+    assert state.outcome == "success"
+
+
+def test_model_and_dimensions_come_from_run_start():
+    state = RunState("r", 0)
+    apply_event(state, LlmCall(run_id="r", agent="a", model="gpt-4o", ts=T0))
+    apply_event(state, RunStart(run_id="r", agent="a", model="claude-sonnet-4", task_type="qa",
+                                ts=T0 - timedelta(seconds=1)))
+    apply_event(state, LlmCall(run_id="r", agent="a", model="gpt-4o-mini", ts=T0))
+    assert (state.model, state.task_type) == ("claude-sonnet-4", "qa")

@@ -43,7 +43,8 @@ def contract_schema() -> dict[str, Any]:
 
 
 def render() -> bytes:
-    return orjson.dumps(contract_schema(), option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n"
+    options = orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS
+    return orjson.dumps(contract_schema(), option=options) + b"\n"
 
 
 def checked_in() -> bytes:

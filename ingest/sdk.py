@@ -108,6 +108,7 @@ class Emitter:
             "acks": "all",
             "linger_ms": 5,
             "max_block_ms": 2000,
+            "bootstrap_timeout_ms": 2000,
             "retries": 5,
             "request_timeout_ms": 10_000,
             **(producer_config or {}),

@@ -20,7 +20,13 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
-from ingest.events import EventBase, parse_event
+from ingest.events import (
+    SCHEMA_VERSION,
+    EventBase,
+    SchemaVersionError,
+    check_schema_version,
+    parse_event,
+)
 
 ENVELOPE_VERSION = 1
 
@@ -67,6 +73,10 @@ def decode_one(item: Any) -> EventBase | DeadLetter:
     if not isinstance(item, dict):
         return DeadLetter("not a JSON object", raw)
     run_id = str(item.get("run_id", ""))[:256]
+    try:
+        check_schema_version(str(item.get("schema_version", SCHEMA_VERSION)))
+    except SchemaVersionError as exc:
+        return DeadLetter(str(exc), raw, run_id)
     try:
         return parse_event(item)
     except ValidationError as exc:

@@ -73,6 +73,9 @@ class Settings(BaseSettings):
     loop: LoopDetectorSettings = Field(default_factory=lambda: LoopDetectorSettings())
     loop_by_task_type: dict[str, LoopDetectorSettings] = Field(default_factory=dict)
     near_miss_factor: float = Field(1.3, gt=1.0)
+    prices_file: Path | None = Field(
+        None, description="a price table to use instead of the one shipped (prices.json)"
+    )
     cost_mismatch_tolerance: float = Field(
         0.01, ge=0, description="relative difference between reported and priced cost"
     )

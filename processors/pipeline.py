@@ -89,7 +89,7 @@ class Pipeline:
     ) -> None:
         self.settings = settings
         self.store = store
-        self.prices = prices or PriceTable.load()
+        self.prices = prices or PriceTable.load(settings.prices_file)
         self.lookup_run = lookup_run or (lambda run_id: None)
         self.clock = clock
         self.counters = Counters()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from pathlib import Path
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +47,10 @@ class PriceTable:
     read: float
 
     @classmethod
-    def load(cls, data: dict[str, Any] | None = None) -> PriceTable:
-        if data is None:
-            data = json.loads(resources.files("processors").joinpath("prices.json").read_text())
+    def load(cls, path: Path | None = None) -> PriceTable:
+        """The shipped table (``processors/prices.json``), or the one at ``path``."""
+        source = path or resources.files("processors").joinpath("prices.json")
+        data = json.loads(source.read_text())
         multipliers = data["cache_multipliers"]
         return cls(
             version=str(data["version"]),

@@ -63,9 +63,21 @@ def pipeline(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory
     up.stop()
 
 
+class LiveReader(ServiceReader):
+    """A reader that follows the pipeline across restarts (its service URL changes)."""
+
+    def __init__(self, pipeline: UpProcess) -> None:
+        self._pipeline = pipeline
+        super().__init__(pipeline.info["url"])
+
+    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.url = self._pipeline.info["url"]
+        return super().post(path, body)
+
+
 @pytest.fixture(scope="session")
 def reader(pipeline: UpProcess) -> ServiceReader:
-    return ServiceReader(pipeline.info["url"])
+    return LiveReader(pipeline)
 
 
 @pytest.fixture()

@@ -29,9 +29,13 @@ def test_unknown_fields_are_kept_in_extras_and_survive_the_wire():
 def test_newer_minor_version_is_accepted_unknown_major_is_not():
     assert parse_event({"event_type": "step", "run_id": "r", "agent": "a", "step": 0,
                         "schema_version": "1.9"}).schema_version == "1.9"
+    future = {"event_type": "step", "run_id": "r", "agent": "a", "step": 0,
+              "schema_version": "2.0"}
     with pytest.raises(ValidationError, match="unsupported schema_version major 2"):
-        parse_event({"event_type": "step", "run_id": "r", "agent": "a", "step": 0,
-                     "schema_version": "2.0"})
+        parse_event(future)
+    letter = decode_message(orjson.dumps(future), 10_000).dead[0]
+    assert (letter.reason, letter.run_id) == (
+        "unsupported schema_version major 2 (this build reads 1.x)", "r")
 
 
 def test_timestamps_accept_epoch_millis_and_become_utc():

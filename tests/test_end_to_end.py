@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from ingest.sdk import Emitter
-from loopwatch.store.reader import ServiceReader
 from tests import scripted
 from tests.conftest import scalar, wait_for
 

@@ -35,7 +35,8 @@ def test_top_cost_runs(fleet, reader):
     assert len(rows) == 10
     assert rows[0]["run_id"] == expected.run_ids["success"][0]
     assert rows[0]["cost_usd"] == pytest.approx(0.1737)
-    assert [row["outcome"] for row in rows[1:4]] == ["looped", "budget_exhausted", "budget_exhausted"]
+    assert [row["outcome"] for row in rows[1:4]] == [
+        "looped", "budget_exhausted", "budget_exhausted"]
 
 
 def test_loop_pattern_of_one_run(fleet, reader):

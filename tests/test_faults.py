@@ -1,0 +1,60 @@
+"""Faults the pipeline must survive: a processor killed mid-stream, and bad input."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from ingest.sdk import Emitter
+from loopwatch.upprocess import UpProcess
+from tests.conftest import scalar, stored_events, wait_for, wait_stored
+
+RUNS = 1500
+
+
+def test_processor_killed_mid_stream_loses_nothing_and_counts_nothing_twice(
+        broker, pipeline: UpProcess, reader, emitter: Emitter, agent: str):
+    """Guarantee: offsets are committed only after ClickHouse accepted the rows, and
+    re-processing after a crash (SIGKILL: no drain, no final commit) must not double
+    count: raw events, per-run counters and outcomes all come out exact."""
+    total = RUNS * 6
+    killed_at: list[int] = []
+
+    def kill_when_a_tenth_is_stored() -> None:
+        stored = wait_for(lambda: stored_events(reader, agent) >= total // 10 and
+                          stored_events(reader, agent), 120, interval_s=0.05,
+                          what="the processor to be mid-stream")
+        pipeline.kill()
+        killed_at.append(stored)
+
+    killer = threading.Thread(target=kill_when_a_tenth_is_stored)
+    killer.start()
+    outcomes = ("model_done", "cannot_complete", "crash")
+    for index in range(RUNS):
+        with emitter.run(agent=agent, task_type="bulk", model="gpt-4o") as run:
+            for _ in range(2):
+                run.step()
+                run.llm_call(input_tokens=1000, output_tokens=10)
+            run.end(outcomes[index % 3])
+        if index % 75 == 74:  # a stream, not one burst: the kill must land inside it
+            assert emitter.flush(30)
+            time.sleep(0.25)
+    assert emitter.flush(60)
+    killer.join()
+    assert killed_at[0] < total, "the kill must land mid-stream for this test to mean it"
+    pipeline.start()
+    wait_stored(reader, agent, total, timeout_s=240)
+    wait_for(lambda: scalar(reader, "SELECT count() FROM runs FINAL WHERE agent = {a:String} "
+                                    "AND status = 'closed'", a=agent) == RUNS, 120,
+             what="every run closed")
+    assert stored_events(reader, agent) == total
+    row = reader.query(
+        "SELECT count(), sum(llm_calls), sum(steps), sum(input_tokens), "
+        "countIf(outcome = 'success'), countIf(outcome = 'gave_up'), "
+        "countIf(outcome = 'hard_error') FROM runs FINAL WHERE agent = {a:String}",
+        {"a": agent}).rows[0]
+    assert row == [RUNS, RUNS * 2, RUNS * 2, RUNS * 2000, RUNS // 3, RUNS // 3, RUNS // 3]
+    calls = scalar(reader, "SELECT count() FROM llm_calls FINAL WHERE agent = {a:String}",
+                   a=agent)
+    assert calls == RUNS * 2
+

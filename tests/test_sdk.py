@@ -1,0 +1,114 @@
+"""The emitter SDK against a real broker: batching, the spool, timed tool calls."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import orjson
+import pytest
+from kafka import KafkaConsumer, TopicPartition
+from kafka.admin import KafkaAdminClient, NewTopic
+from pydantic import ValidationError
+
+from ingest.sdk import Emitter, ToolTimeout, partition_for
+from ingest.wire import decode_message
+from loopwatch.embedded.broker import EmbeddedBroker, free_port
+
+
+def create_topic(bootstrap: str, name: str, partitions: int = 3) -> None:
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    admin.create_topics([NewTopic(name, partitions, 1)])
+    admin.close()
+
+
+def read_all(bootstrap: str, topic: str, partitions: int = 3) -> list[tuple[int, dict]]:
+    """(partition, event) for every event on the topic, envelopes unpacked."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, consumer_timeout_ms=2000)
+    assigned = [TopicPartition(topic, p) for p in range(partitions)]
+    consumer.assign(assigned)
+    consumer.seek_to_beginning(*assigned)
+    found = []
+    for message in consumer:
+        for event in decode_message(message.value, 10_000_000).events:
+            found.append((message.partition, orjson.loads(event.model_dump_json())))
+    consumer.close()
+    return found
+
+
+def test_events_of_a_run_stay_ordered_on_the_run_partition(broker, tmp_path: Path):
+    topic = f"sdk-{uuid.uuid4().hex[:8]}"
+    create_topic(broker.bootstrap, topic)
+    with Emitter(broker.bootstrap, topic, tmp_path) as emitter:
+        runs = []
+        for _ in range(5):
+            with emitter.run(agent="a") as run:
+                for _ in range(20):
+                    run.step()
+            runs.append(run.run_id)
+    found = read_all(broker.bootstrap, topic)
+    assert len(found) == 5 * 22
+    assert emitter.stats.messages < len(found)  # envelopes carried several events each
+    for run_id in runs:
+        mine = [(p, e) for p, e in found if e["run_id"] == run_id]
+        assert {p for p, _ in mine} == {partition_for(run_id, 3)}
+        assert [e["event_type"] for _, e in mine] == ["run.start", *["step"] * 20, "run.end"]
+        assert [e["step"] for _, e in mine[1:-1]] == list(range(20))
+
+
+def test_broker_unreachable_events_spool_and_are_resent_once_it_is_back(tmp_path: Path):
+    """Guarantee: nothing is lost while the broker is down; resends are by event_id."""
+    port = free_port()
+    emitter = Emitter(f"127.0.0.1:{port}", "spooled", tmp_path / "spool",
+                      producer_config={"max_block_ms": 500, "bootstrap_timeout_ms": 500})
+    with emitter.run(agent="a") as run:
+        run.step()
+        run.llm_call(input_tokens=10)
+    assert emitter.flush(30)
+    assert emitter.stats.spooled == 4
+    assert emitter.spool.size() > 0
+    with EmbeddedBroker(tmp_path / "broker.log", port=port) as late_broker:
+        create_topic(late_broker.bootstrap, "spooled")
+        deadline = time.monotonic() + 60
+        while emitter.stats.sent < 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        emitter.close()
+        found = read_all(late_broker.bootstrap, "spooled")
+    assert emitter.stats.sent == 4
+    assert sorted(e["event_type"] for _, e in found) == ["llm.call", "run.end", "run.start",
+                                                         "step"]
+    assert emitter.spool.size() == 0
+
+
+def test_invalid_fields_raise_at_the_call_site(broker, tmp_path: Path):
+    with Emitter(broker.bootstrap, "unused", tmp_path) as emitter:
+        with emitter.run(agent="a") as run, pytest.raises(ValidationError, match="output"):
+            run.llm_call(output_tokens=-1)
+        assert emitter.stats.queued == 2  # run.start and run.end, nothing invalid
+
+
+def test_timed_tool_call_reports_the_true_duration_of_a_late_completion(broker, tmp_path):
+    topic = f"sdk-{uuid.uuid4().hex[:8]}"
+    create_topic(broker.bootstrap, topic)
+
+    finished = threading.Event()
+
+    def slow_search(q: str) -> str:
+        time.sleep(0.6)
+        finished.set()
+        return q
+
+    with Emitter(broker.bootstrap, topic, tmp_path) as emitter:
+        with emitter.run(agent="a") as run:
+            with pytest.raises(ToolTimeout):
+                run.timed_tool_call("search", slow_search, {"q": "x"}, timeout_s=0.2)
+            assert not finished.is_set()  # the caller got the timeout while the call ran on
+            assert run.timed_tool_call("search", slow_search, {"q": "y"}, timeout_s=5) == "y"
+    calls = [e for _, e in read_all(broker.bootstrap, topic) if e["event_type"] == "tool.call"]
+    late = next(e for e in calls if e["timed_out"])
+    on_time = next(e for e in calls if not e["timed_out"])
+    assert (late["latency_ms"], late["timeout_ms"], late["error_type"]) == (200, 200, "timeout")
+    assert late["late_completion_ms"] >= 600
+    assert on_time["latency_ms"] >= 600 and on_time["late_completion_ms"] is None

@@ -20,7 +20,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Streaming observability and anomaly detection for LLM agent fleets.")
 dlq_app = typer.Typer(no_args_is_help=True, help="Dead letters: input the pipeline refused.")
 app.add_typer(dlq_app, name="dlq")
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 out = Console()
 
 DataDir = Annotated[Path | None, typer.Option("--data-dir", help="state directory "

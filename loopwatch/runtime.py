@@ -1,9 +1,10 @@
 """``loopwatch up``: broker (unless configured), processors and the store service.
 
 Start order: broker, topics, schema, store service, faust worker. Stop order is the
-reverse, and a SIGINT/SIGTERM first drains: the worker keeps consuming until every
-partition is processed to its end (or ``drain_timeout_s`` passes), because the
-embedded broker forgets everything when it stops.
+reverse, and a SIGINT/SIGTERM first drains: the worker keeps consuming until the
+group's committed offsets reach the end of the events topic (or ``drain_timeout_s``
+passes), because the embedded broker forgets everything when it stops. A signal that
+arrives while starting is held until the worker runs, then drains the same way.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
+import threading
 import time
 from collections.abc import Callable
 from datetime import datetime
@@ -25,7 +28,7 @@ from loopwatch.embedded.broker import EmbeddedBroker
 from loopwatch.reprocess import reprocess_with
 from loopwatch.store.clickhouse import connect, migrate
 from loopwatch.store.service import StoreService
-from loopwatch.topics import ensure_topics
+from loopwatch.topics import LagProbe, ensure_topics
 from processors.app import Processor
 from processors.runs import RunState
 from processors.sink import ClickHouseSink
@@ -36,12 +39,21 @@ log = logging.getLogger(__name__)
 class DrainingWorker(faust.Worker):
     """A faust worker that finishes what the broker holds before it stops."""
 
-    def __init__(self, processor: Processor, drain_timeout_s: float, **kwargs: Any) -> None:
+    def __init__(self, processor: Processor, bootstrap: str, drain_timeout_s: float,
+                 stop_requested: threading.Event, **kwargs: Any) -> None:
         super().__init__(processor.app, **kwargs)
         self._processor = processor
+        self._bootstrap = bootstrap
+        self._stop_requested = stop_requested
         self._drain_timeout_s = drain_timeout_s
         self._draining = False
         self._drain_task: asyncio.Future[None] | None = None
+
+    async def on_startup_finished(self) -> None:
+        """A signal that came while starting (before faust's handlers) is honoured now."""
+        await super().on_startup_finished()
+        if self._stop_requested.is_set():
+            self._drain_then_stop()
 
     def _on_sigint(self) -> None:
         self._drain_then_stop()
@@ -57,10 +69,25 @@ class DrainingWorker(faust.Worker):
         self._drain_task = asyncio.ensure_future(self._drain(), loop=self.loop)
 
     async def _drain(self) -> None:
+        """Stop once the group's committed offsets reach the end of the events topic."""
+        settings = self._processor.settings
+        loop = asyncio.get_running_loop()
         deadline = time.monotonic() + self._drain_timeout_s
-        while time.monotonic() < deadline and not self._processor.caught_up():
-            await asyncio.sleep(0.2)
-        await asyncio.sleep(1.5)  # one commit interval, so the last offsets are committed
+        try:
+            probe = await loop.run_in_executor(None, LagProbe, self._bootstrap,
+                                               settings.consumer_group, settings.events_topic)
+            try:
+                while time.monotonic() < deadline:
+                    lag = await loop.run_in_executor(None, probe.lag)
+                    if lag == 0:
+                        break
+                    log.warning("draining: %d messages left", lag)
+                    await asyncio.sleep(0.5)
+            finally:
+                probe.close()
+        except Exception:
+            log.exception("drain failed; stopping without it")
+        log.warning("drained; stopping")
         super()._on_sigterm()
 
 
@@ -87,6 +114,9 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
            loglevel: str = "warning", drain_timeout_s: float = 60.0) -> None:
     """Run until SIGINT/SIGTERM. ``on_ready`` gets the announcement (bootstrap, store, url)."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    stop_requested = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop_requested.set())
     broker: EmbeddedBroker | None = None
     service: StoreService | None = None
     try:
@@ -122,7 +152,8 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
         url = service.start(announcement)
         if on_ready is not None:
             on_ready({**announcement, "url": url})
-        worker = DrainingWorker(processor, drain_timeout_s, loglevel=loglevel, quiet=True,
+        worker = DrainingWorker(processor, bootstrap, drain_timeout_s, stop_requested,
+                                loglevel=loglevel, quiet=True,
                                 logfile=str(settings.data_dir / "logs" / "worker.log"))
         with contextlib.suppress(SystemExit):
             worker.execute_from_commandline()

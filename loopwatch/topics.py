@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 
+from kafka import KafkaConsumer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
@@ -32,3 +33,32 @@ def ensure_topics(bootstrap: str, settings: Settings, timeout_s: float = 30.0) -
                 admin.create_topics(missing)
     finally:
         admin.close()
+
+
+class LagProbe:
+    """How far a consumer group's committed offsets trail the end of a topic."""
+
+    def __init__(self, bootstrap: str, group: str, topic: str) -> None:
+        self._group = group
+        self._topic = topic
+        servers = bootstrap.split(",")
+        self._admin = KafkaAdminClient(bootstrap_servers=servers, client_id="loopwatch-lag")
+        self._consumer = KafkaConsumer(bootstrap_servers=servers, client_id="loopwatch-lag")
+
+    def lag(self) -> int:
+        self._consumer.topics()  # refreshes metadata; a new client knows no partitions yet
+        partitions = self._consumer.partitions_for_topic(self._topic) or set()
+        if not partitions:
+            raise RuntimeError(f"topic {self._topic} has no partitions (yet)")
+        topic_partitions = [TopicPartition(self._topic, p) for p in partitions]
+        ends = self._consumer.end_offsets(topic_partitions)
+        committed = self._admin.list_group_offsets(
+            {self._group: topic_partitions}).get(self._group, {})
+        return sum(
+            max(0, end - max(0, committed[tp].offset if tp in committed else 0))
+            for tp, end in ends.items()
+        )
+
+    def close(self) -> None:
+        self._consumer.close()
+        self._admin.close()

@@ -29,9 +29,16 @@ class UpProcess:
     def reader(self) -> ServiceReader:
         return ServiceReader(self.info["url"])
 
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
     def start(self, timeout_s: float = 90.0) -> UpProcess:
+        """Start the child (a no-op while it runs) and wait for its announcement."""
         from loopwatch.config import load_settings
 
+        if self.running:
+            return self
         settings = load_settings(data_dir=self.data_dir)
         log_dir = self.data_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)

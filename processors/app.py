@@ -171,14 +171,12 @@ class Processor:
             )
 
     def caught_up(self) -> bool:
-        """True when every assigned partition has been processed up to its end."""
+        """True when this worker owns partitions and has processed each up to its end."""
         consumer = self.app.consumer
-        for tp in self.app.assignor.assigned_actives():
-            if tp.topic != self.settings.events_topic:
-                continue
+        owned = [tp for tp in self.app.assignor.assigned_actives()
+                 if tp.topic == self.settings.events_topic]
+        for tp in owned:
             highwater = consumer.highwater(tp)
-            if highwater is None:
-                continue
-            if highwater > 0 and self.positions.get(tp.partition, -1) < highwater - 1:
+            if highwater and self.positions.get(tp.partition, -1) < highwater - 1:
                 return False
-        return True
+        return bool(owned)

@@ -100,12 +100,11 @@ def test_timed_tool_call_reports_the_true_duration_of_a_late_completion(broker, 
         finished.set()
         return q
 
-    with Emitter(broker.bootstrap, topic, tmp_path) as emitter:
-        with emitter.run(agent="a") as run:
-            with pytest.raises(ToolTimeout):
-                run.timed_tool_call("search", slow_search, {"q": "x"}, timeout_s=0.2)
-            assert not finished.is_set()  # the caller got the timeout while the call ran on
-            assert run.timed_tool_call("search", slow_search, {"q": "y"}, timeout_s=5) == "y"
+    with Emitter(broker.bootstrap, topic, tmp_path) as emitter, emitter.run(agent="a") as run:
+        with pytest.raises(ToolTimeout):
+            run.timed_tool_call("search", slow_search, {"q": "x"}, timeout_s=0.2)
+        assert not finished.is_set()  # the caller got the timeout while the call ran on
+        assert run.timed_tool_call("search", slow_search, {"q": "y"}, timeout_s=5) == "y"
     calls = [e for _, e in read_all(broker.bootstrap, topic) if e["event_type"] == "tool.call"]
     late = next(e for e in calls if e["timed_out"])
     on_time = next(e for e in calls if not e["timed_out"])

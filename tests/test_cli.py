@@ -1,0 +1,99 @@
+"""The command line, as a user runs it: against the running pipeline, and the demo."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from ingest.events import OUTCOMES
+
+
+def loopwatch(*args: str, env: dict[str, str] | None = None,
+              timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "loopwatch.cli", *args],
+                          env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_query_goes_through_the_running_service(pipeline):
+    result = loopwatch("query", "--json", "SELECT 1 + 1 AS two, 'x' AS letter",
+                       env=pipeline.env)
+    assert result.returncode == 0, result.stderr
+    assert orjson.loads(result.stdout) == [{"two": 2, "letter": "x"}]
+
+
+def test_query_is_read_only_and_leaves_the_store_writable(pipeline, reader, emitter, agent):
+    refused = loopwatch("query", "DROP TABLE runs", env=pipeline.env)
+    assert refused.returncode == 1
+    assert "query failed" in refused.stderr and "readonly" in refused.stderr.lower()
+    with emitter.run(agent=agent) as run:
+        run.step()
+    emitter.flush()
+    from tests.conftest import wait_stored
+
+    wait_stored(reader, agent, 3)
+
+
+def test_investigate_runs_a_named_query_and_asks_for_missing_parameters(pipeline):
+    listed = loopwatch("investigate", "near_misses_by_tool", "--json", env=pipeline.env)
+    assert listed.returncode == 0, listed.stderr
+    assert isinstance(orjson.loads(listed.stdout), list)
+    missing = loopwatch("investigate", "loop_pattern", env=pipeline.env)
+    assert missing.returncode == 2
+    assert "loop_pattern needs --param run_id=..." in missing.stderr
+
+
+def test_invalid_settings_get_a_message_a_person_can_act_on(tmp_path: Path):
+    result = loopwatch("query", "SELECT 1", env={"LOOPWATCH_CLICKHOUSE_URL": "ftp://db:21",
+                                                 "LOOPWATCH_DATA_DIR": str(tmp_path)})
+    assert result.returncode == 2
+    assert "LOOPWATCH_CLICKHOUSE_URL must start with http:// or https://" in result.stderr
+
+
+def test_schema_command_prints_the_checked_in_schema():
+    result = loopwatch("schema")
+    from ingest.jsonschema import checked_in
+
+    assert result.stdout.encode() == checked_in()
+
+
+def test_reprocess_through_the_service_is_idempotent(pipeline, reader):
+    before = reader.query("SELECT run_id, outcome, cost_usd, version FROM runs FINAL "
+                          "WHERE status = 'closed' ORDER BY run_id").rows
+    result = loopwatch("reprocess", "--since", "2000-01-01", env=pipeline.env)
+    assert result.returncode == 0, result.stderr
+    assert f"of {len(before)} runs" in result.stderr
+    after = reader.query("SELECT run_id, outcome, cost_usd, version FROM runs FINAL "
+                         "WHERE status = 'closed' ORDER BY run_id").rows
+    assert [r[:2] for r in after] == [r[:2] for r in before]
+    assert [r[2] for r in after] == pytest.approx([r[2] for r in before])
+
+
+def test_demo_reports_every_outcome_exactly_as_the_fleet_planned_it(tmp_path: Path):
+    result = loopwatch("demo", "--duration", "20", "--rate", "6", "--seed", "11", "--json",
+                       "--data-dir", str(tmp_path), timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = orjson.loads(result.stdout)
+    assert set(report) >= {"events", "runs", "agents", "store"}
+    assert report["events"] == report["emitted_events"]
+    assert report["store"] == f"chdb://{tmp_path / 'demo' / 'chdb'}"
+    seen = set()
+    for agent, entry in report["agents"].items():
+        planned = {o: n for o, n in report["planned_outcomes"][agent].items() if n}
+        assert {o: n for o, n in entry["outcomes"].items() if n} == planned
+        assert entry["runs"] == sum(planned.values())
+        seen |= set(planned)
+        closed = entry["runs"]
+        silent = sum(entry["outcomes"][o] for o in ("budget_exhausted", "gave_up", "looped",
+                                                    "wrong"))
+        assert entry["silent_failure_ratio"] == pytest.approx(silent / closed)
+        assert entry["exception_rate"] == pytest.approx(entry["outcomes"]["hard_error"] / closed)
+        assert 0 <= entry["cache_hit_rate"] <= 1
+    assert seen == set(OUTCOMES) - {"unknown"}
+    assert report["runs"] == sum(e["runs"] for e in report["agents"].values())
+    assert report["agents"]["sql-analyst"]["cache_hit_rate"] == 0.0  # its prompt never caches

@@ -1,0 +1,94 @@
+"""The engine-free pipeline writing to a real in-process chdb store: cost recomputation,
+mismatch flags, reprocessing with a new price table, and re-delivery.
+
+This test process opens its own chdb path (chdb allows one per process); every other
+test reaches the store through the running pipeline's service.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from ingest.events import EventBase, LlmCall, RunEnd, RunStart
+from ingest.wire import encode_envelope
+from loopwatch.config import Settings
+from loopwatch.reprocess import MemoryRunStore, reprocess_with
+from loopwatch.store.clickhouse import migrate, run_query
+from processors.pipeline import Pipeline, RawMessage
+from processors.sink import ClickHouseSink
+
+T0 = datetime(2026, 11, 29, 9, 0, tzinfo=UTC)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory):
+    settings = Settings(data_dir=tmp_path_factory.mktemp("local-store"))
+    return settings, migrate(settings)
+
+
+def messages(events: list[EventBase], offset: int = 0) -> list[RawMessage]:
+    return [RawMessage("loopwatch.events", 0, offset, encode_envelope(events))]
+
+
+def run_events(run_id: str, reported: float) -> list[EventBase]:
+    common = {"run_id": run_id, "agent": "local", "model": "claude-sonnet-4"}
+    return [
+        RunStart(ts=T0, **common),
+        LlmCall(ts=T0 + timedelta(seconds=1), input_tokens=1_000_000, output_tokens=0,
+                cost_usd=reported, **common),
+        RunEnd(ts=T0 + timedelta(seconds=2), terminal_reason="model_done", **common),
+    ]
+
+
+def test_cost_is_recomputed_and_mismatches_flagged(store):
+    settings, client = store
+    pipeline = Pipeline(settings, MemoryRunStore())
+    work = pipeline.process(messages(run_events("honest", 3.0) + run_events("off", 9.0)))
+    ClickHouseSink(client).write_batch(work.rows)
+    rows = run_query(client, "SELECT run_id, cost_usd, reported_cost_usd, cost_mismatch "
+                             "FROM llm_calls FINAL WHERE agent = 'local' ORDER BY run_id").rows
+    assert rows == [["honest", 3.0, 3.0, 0], ["off", 3.0, 9.0, 1]]
+    assert pipeline.counters.cost_mismatches == 1
+
+
+def test_redelivered_batch_changes_nothing(store):
+    settings, client = store
+    pipeline = Pipeline(settings, MemoryRunStore())
+    batch = messages(run_events("again", 3.0), offset=7)
+    sink = ClickHouseSink(client)
+    sink.write_batch(pipeline.process(batch).rows)
+    sink.write_batch(pipeline.process(batch).rows)  # a crash before the commit
+    assert pipeline.counters.duplicates == 3
+    row = run_query(client, "SELECT count(), sum(llm_calls), sum(cost_usd) FROM runs FINAL "
+                            "WHERE run_id = 'again'").rows[0]
+    assert row == [1, 1, 3.0]
+    assert run_query(client, "SELECT count() FROM events FINAL WHERE run_id = 'again'"
+                     ).scalar() == 3
+
+
+def test_reprocess_applies_a_new_price_table(store, tmp_path: Path):
+    settings, client = store
+    pipeline = Pipeline(settings, MemoryRunStore())
+    events = run_events("repriced", 3.0)
+    work = pipeline.process(messages(events))
+    ClickHouseSink(client).write_batch(work.rows)
+    prices = json.loads((Path(__file__).parent.parent / "processors/prices.json").read_text())
+    prices["version"] = "2027-01-01"
+    prices["models"]["claude-sonnet-4"]["input"] = 2.0
+    price_file = tmp_path / "prices.json"
+    price_file.write_text(json.dumps(prices))
+    repriced = Settings(data_dir=settings.data_dir, prices_file=price_file)
+    summary = reprocess_with(client, repriced, T0 - timedelta(minutes=1))
+    assert summary["events"] >= 3
+    assert run_query(client, "SELECT cost_usd, price_version, cost_mismatch FROM llm_calls "
+                             "FINAL WHERE run_id = 'repriced'").rows == [[2.0, "2027-01-01", 1]]
+    assert run_query(client, "SELECT outcome, cost_usd FROM runs FINAL "
+                             "WHERE run_id = 'repriced'").rows == [["success", 2.0]]
+    again = reprocess_with(client, repriced, T0 - timedelta(minutes=1))
+    assert again == summary
+    assert run_query(client, "SELECT count() FROM runs FINAL WHERE run_id = 'repriced'"
+                     ).scalar() == 1

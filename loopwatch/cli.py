@@ -60,7 +60,15 @@ def up(data_dir: DataDir = None) -> None:
         console.print(f"store: [bold]{info['store']}[/bold]  service: {info['url']}")
         console.print("processing; Ctrl-C drains and stops")
 
-    run_up(settings, on_ready=ready)
+    def progress(status: dict[str, Any]) -> None:
+        counters = status["counters"]
+        console.print(
+            f"{datetime.now().strftime('%H:%M:%S')}  events {counters['events']}  "
+            f"runs closed {counters['runs_closed']} (abandoned {counters['runs_abandoned']}, "
+            f"revised {counters['runs_revised']})  dead letters {counters['dead_letters']}  "
+            f"duplicates {counters['duplicates']}  store retries {status['sink_failures']}")
+
+    run_up(settings, on_ready=ready, on_status=progress)
 
 
 @app.command()

@@ -64,7 +64,8 @@ class Settings(BaseSettings):
         10.0, gt=0, description="with no events for this long, event time follows the clock"
     )
     abandon_ttl_s: float = Field(
-        1800.0, gt=0, description="no run.end this long (event time) after the last event"
+        1800.0, gt=0, description="no run.end this long (event time) after the last event; "
+        "a run that declares time_cap_s gets 2 x that instead"
     )
     abandon_ttl_by_task_type: dict[str, float] = Field(default_factory=dict)
     label_window_s: float = Field(
@@ -130,9 +131,6 @@ class Settings(BaseSettings):
     def service_file(self) -> Path:
         """Where a running ``loopwatch up`` publishes its store-service address."""
         return self.data_dir / "service.json"
-
-    def abandon_ttl_for(self, task_type: str) -> float:
-        return self.abandon_ttl_by_task_type.get(task_type, self.abandon_ttl_s)
 
     def loop_for(self, task_type: str) -> LoopDetectorSettings:
         return self.loop_by_task_type.get(task_type, self.loop)

@@ -97,26 +97,35 @@ def _fmt(value: float | None, percent: bool = False) -> str:
 
 
 def print_report(report: dict[str, Any], console: Console) -> None:
-    outcomes = ["success", "hard_error", "budget_exhausted", "gave_up", "looped", "wrong",
-                "abandoned"]
-    table = Table(title=f"{report['runs']} runs, {report['events']} events")
-    for column in ["agent", "runs", *outcomes, "silent fail", "exceptions", "near-miss",
-                   "cache hit", "$/success"]:
-        table.add_column(column, justify="left" if column == "agent" else "right")
-    for agent, entry in report["agents"].items():
-        table.add_row(
-            agent, str(entry["runs"]), *(str(entry["outcomes"].get(o, 0)) for o in outcomes),
-            _fmt(entry["silent_failure_ratio"], True), _fmt(entry["exception_rate"], True),
-            _fmt(entry["near_miss_timeout_ratio"], True), _fmt(entry["cache_hit_rate"], True),
-            _fmt(entry["cost_per_successful_run"]),
-        )
-    console.print(table)
-    cost = Table(title="mean cost per run, by outcome")
-    cost.add_column("agent")
-    for outcome in outcomes:
-        cost.add_column(outcome, justify="right")
-    for agent, entry in report["agents"].items():
-        cost.add_row(agent, *(_fmt(entry["cost_per_outcome"].get(o)) for o in outcomes))
-    console.print(cost)
-    console.print(f"data: {report['store']}  (query it: loopwatch query --data-dir "
-                  f"{report['store'].removeprefix('chdb://').removesuffix('/chdb')} \"SQL\")")
+    """Agents as columns, so the report reads on an 80-column terminal."""
+    agents = list(report["agents"])
+    entries = [report["agents"][agent] for agent in agents]
+    outcomes = Table(title=f"{report['runs']} runs, {report['events']} events: "
+                           "runs and mean cost per run, by outcome")
+    outcomes.add_column("outcome")
+    for agent in agents:
+        outcomes.add_column(agent, justify="right")
+    for outcome in ("success", "hard_error", "budget_exhausted", "gave_up", "looped", "wrong",
+                    "abandoned"):
+        outcomes.add_row(outcome, *(
+            f"{entry['outcomes'].get(outcome, 0)}  {_fmt(entry['cost_per_outcome'].get(outcome))}"
+            for entry in entries))
+    console.print(outcomes)
+    metrics = Table(title="the four core metrics")
+    metrics.add_column("metric")
+    for agent in agents:
+        metrics.add_column(agent, justify="right")
+    rows = [
+        ("runs", lambda e: str(e["runs"])),
+        ("silent-failure ratio", lambda e: _fmt(e["silent_failure_ratio"], True)),
+        ("exception rate", lambda e: _fmt(e["exception_rate"], True)),
+        ("near-miss timeout ratio", lambda e: _fmt(e["near_miss_timeout_ratio"], True)),
+        ("prompt-cache hit rate", lambda e: _fmt(e["cache_hit_rate"], True)),
+        ("cost per successful run", lambda e: _fmt(e["cost_per_successful_run"])),
+    ]
+    for label, cell in rows:
+        metrics.add_row(label, *(cell(entry) for entry in entries))
+    console.print(metrics)
+    data_dir = report["store"].removeprefix("chdb://").removesuffix("/chdb")
+    console.print(f"data: {report['store']}")
+    console.print(f"investigate: loopwatch investigate top_cost_runs --data-dir {data_dir}")

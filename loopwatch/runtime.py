@@ -110,9 +110,27 @@ def _store_callbacks(settings: Settings) -> tuple[Callable[[], list[RunState]],
     return open_runs, lookup_run
 
 
+def _report_status(status: Callable[[], dict[str, Any]],
+                   on_status: Callable[[dict[str, Any]], None], every_s: float) -> None:
+    """Call ``on_status`` whenever the counters moved, at most every ``every_s``."""
+    last: dict[str, Any] = {}
+
+    def loop() -> None:
+        while True:
+            time.sleep(every_s)
+            current = status()
+            if current["counters"] != last.get("counters"):
+                last.update(current)
+                on_status(current)
+
+    threading.Thread(target=loop, name="status", daemon=True).start()
+
+
 def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None = None,
+           on_status: Callable[[dict[str, Any]], None] | None = None,
            loglevel: str = "warning", drain_timeout_s: float = 60.0) -> None:
-    """Run until SIGINT/SIGTERM. ``on_ready`` gets the announcement (bootstrap, store, url)."""
+    """Run until SIGINT/SIGTERM. ``on_ready`` gets the announcement (bootstrap, store, url);
+    ``on_status`` gets the pipeline's counters every few seconds while they change."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     stop_requested = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -152,6 +170,8 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
         url = service.start(announcement)
         if on_ready is not None:
             on_ready({**announcement, "url": url})
+        if on_status is not None:
+            _report_status(status, on_status, every_s=5.0)
         worker = DrainingWorker(processor, bootstrap, drain_timeout_s, stop_requested,
                                 loglevel=loglevel, quiet=True,
                                 logfile=str(settings.data_dir / "logs" / "worker.log"))

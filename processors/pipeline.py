@@ -127,8 +127,7 @@ class Pipeline:
         mark = self.watermark_ms()
         label_window_ms = int(self.settings.label_window_s * 1000)
         for state in list(self.store.states()):
-            ttl_ms = int(self.settings.abandon_ttl_for(state.task_type) * 1000)
-            if abandon_if_expired(state, mark, ttl_ms):
+            if abandon_if_expired(state, mark, self.abandon_ttl_ms(state)):
                 self.counters.runs_abandoned += 1
                 self.counters.runs_closed += 1
                 self.store.put(state)
@@ -136,6 +135,15 @@ class Pipeline:
             elif state.closed and (state.closed_ms or 0) + label_window_ms < mark:
                 self.store.delete(state)
         return work
+
+    def abandon_ttl_ms(self, state: RunState) -> int:
+        """Per task_type if configured, else 2 x the run's declared time cap, else default."""
+        by_task = self.settings.abandon_ttl_by_task_type.get(state.task_type)
+        if by_task is not None:
+            return int(by_task * 1000)
+        if state.time_cap_s:
+            return int(2 * state.time_cap_s * 1000)
+        return int(self.settings.abandon_ttl_s * 1000)
 
     def adopt(self, states: Iterable[RunState]) -> int:
         """Take over runs rebuilt from the store that this worker's state does not have."""

@@ -57,6 +57,7 @@ class RunState:
     last_ms: int = 0
     end_ms: int | None = None
     abandoned_ms: int | None = None
+    time_cap_s: float | None = None
     terminal_reason: str = ""
     cap: str = ""
     verdict: str = ""
@@ -163,6 +164,7 @@ def apply_event(
     _take_dimensions(state, event, authoritative=isinstance(event, RunStart))
     if isinstance(event, RunStart):
         state.started_ms = when
+        state.time_cap_s = event.time_cap_s
     elif isinstance(event, Step):
         state.steps += 1
     elif isinstance(event, LlmCall):

@@ -13,9 +13,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from clickhouse_connect.driver.client import Client
 
 from ingest.sdk import Emitter
+from loopwatch.config import Settings
 from loopwatch.embedded.broker import EmbeddedBroker
+from loopwatch.store.clickhouse import migrate
 from loopwatch.store.reader import ServiceReader
 from loopwatch.upprocess import UpProcess
 
@@ -43,6 +46,17 @@ def wait_for(probe: Callable[[], T], timeout_s: float = 60.0, interval_s: float 
         time.sleep(interval_s)
         value = probe()
     return value
+
+
+@pytest.fixture(scope="session")
+def local_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Settings, Client]:
+    """A real chdb store opened in the test process itself, migrated.
+
+    chdb allows one engine path per process: every in-process test shares this one.
+    (The pipeline's store lives in its own child process and is reached over HTTP.)
+    """
+    settings = Settings(data_dir=tmp_path_factory.mktemp("local-store"))
+    return settings, migrate(settings)
 
 
 @pytest.fixture(scope="session")

@@ -115,3 +115,16 @@ def test_model_and_dimensions_come_from_run_start():
                                 ts=T0 - timedelta(seconds=1)))
     apply_event(state, LlmCall(run_id="r", agent="a", model="gpt-4o-mini", ts=T0))
     assert (state.model, state.task_type) == ("claude-sonnet-4", "qa")
+
+
+def test_abandonment_ttl_follows_task_type_then_the_declared_time_cap():
+    from loopwatch.config import Settings
+    from loopwatch.reprocess import MemoryRunStore
+    from processors.pipeline import Pipeline
+
+    settings = Settings(abandon_ttl_s=100, abandon_ttl_by_task_type={"batch": 7})
+    pipeline = Pipeline(settings, MemoryRunStore())
+    capped = fold(ev(RunStart, time_cap_s=30))
+    assert pipeline.abandon_ttl_ms(capped) == 60_000
+    assert pipeline.abandon_ttl_ms(fold(ev(RunStart))) == 100_000
+    assert pipeline.abandon_ttl_ms(fold(ev(RunStart, task_type="batch", time_cap_s=30))) == 7_000

@@ -17,17 +17,16 @@ from ingest.events import EventBase, LlmCall, RunEnd, RunStart
 from ingest.wire import encode_envelope
 from loopwatch.config import Settings
 from loopwatch.reprocess import MemoryRunStore, reprocess_with
-from loopwatch.store.clickhouse import migrate, run_query
+from loopwatch.store.clickhouse import run_query
 from processors.pipeline import Pipeline, RawMessage
 from processors.sink import ClickHouseSink
 
 T0 = datetime(2026, 11, 29, 9, 0, tzinfo=UTC)
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory):
-    settings = Settings(data_dir=tmp_path_factory.mktemp("local-store"))
-    return settings, migrate(settings)
+@pytest.fixture()
+def store(local_store):
+    return local_store
 
 
 def messages(events: list[EventBase], offset: int = 0) -> list[RawMessage]:

@@ -83,7 +83,7 @@ def demo(
     from loopwatch.demo import run_demo
 
     settings = settings_from(data_dir, abandon_ttl_s=20.0, idle_advance_s=3.0,
-                             late_allowance_s=2.0)
+                             late_allowance_s=2.0, detect_interval_s=2.0)
     report = run_demo(settings, duration_s=duration, rate=rate, seed=seed,
                       progress=not as_json, console=console)
     if as_json:
@@ -144,6 +144,124 @@ def _print_query(data_dir: Path | None, sql: str, parameters: dict[str, Any], as
         sys.stdout.write(dumps(result.records()).decode() + "\n")
     else:
         print_table(result.columns, result.rows, title=title)
+
+
+@app.command()
+def alerts(
+    data_dir: DataDir = None,
+    limit: Annotated[int, typer.Option(help="newest N")] = 50,
+    as_json: JsonFlag = False,
+) -> None:
+    """Firing alerts first, then recent ones, with their playbooks."""
+    from loopwatch.store.reader import open_reader
+    from loopwatch.store.service import dumps
+
+    settings = settings_from(data_dir)
+    result = open_reader(settings).query(ALERTS_SQL, {"limit": limit})
+    if as_json:
+        records = result.records()
+        for record in records:
+            record["evidence"] = json.loads(record["evidence"] or "{}")
+        sys.stdout.write(dumps(records).decode() + "\n")
+        return
+    columns = ["state", "severity", "rule", "summary", "playbook", "started_at"]
+    print_table(columns, [[r[c] for c in columns] for r in result.records()], title="alerts")
+
+
+ALERTS_SQL = """
+SELECT fingerprint, rule, severity, state, labels, summary, playbook, value, started_at,
+       fired_at, resolved_at, link, evidence
+FROM alerts FINAL
+ORDER BY state = 'firing' DESC, updated_at DESC
+LIMIT {limit:UInt32}
+"""
+
+
+@app.command()
+def playbook(
+    name: Annotated[str, typer.Argument(help="a playbook name; omit to list them")] = "",
+    agent: Annotated[str, typer.Option(help="investigate this agent ('' = all)")] = "",
+    tool: Annotated[str, typer.Option(help="the tool in question, if any")] = "",
+    run_id: Annotated[str, typer.Option(help="the run in question, if any")] = "",
+    hours: Annotated[float, typer.Option(help="look back this many hours")] = 24.0,
+    data_dir: DataDir = None,
+) -> None:
+    """Print a playbook and run its investigation queries against the store."""
+    from datetime import timedelta
+
+    from detectors.playbooks import load_playbooks, render_markdown
+    from loopwatch.store.reader import QueryError, open_reader
+
+    books = load_playbooks()
+    if not name:
+        print_table(["name", "severity", "title"],
+                    [[b.name, b.severity, b.title] for b in books.values()], title="playbooks")
+        return
+    if name not in books:
+        console.print(f"[red]unknown playbook {name!r}[/red]; one of: {', '.join(books)}")
+        raise typer.Exit(2)
+    chosen = books[name]
+    out.print(render_markdown(chosen))
+    reader = open_reader(settings_from(data_dir))
+    now = datetime.now(UTC)
+    values = {"agent": agent, "tool": tool, "run_id": run_id,
+              "since": now - timedelta(hours=hours), "until": now}
+    for step in chosen.steps:
+        if not step.sql:
+            continue
+        try:
+            result = reader.query(step.sql, {k: values[k] for k in step.parameters})
+        except QueryError as exc:
+            console.print(f"[red]{step.title}: {exc}[/red]")
+            continue
+        print_table(result.columns, result.rows[:20], title=step.title)
+
+
+@app.command()
+def detect(data_dir: DataDir = None) -> None:
+    """Run the detectors as a service against the configured ClickHouse server."""
+    import threading
+
+    from detectors.service import build_engine
+    from loopwatch.store.clickhouse import connect, migrate
+
+    settings = settings_from(data_dir)
+    if settings.embedded_store:
+        console.print("[red]with the embedded store the detectors run inside `loopwatch up`[/red]"
+                      "; set LOOPWATCH_CLICKHOUSE_URL to run them on their own")
+        raise typer.Exit(2)
+    migrate(settings)
+    engine = build_engine(settings, connect(settings), connect(settings))
+    console.print(f"detectors running every {settings.detect_interval_s:g}s; Ctrl-C stops")
+    stop = threading.Event()
+    try:
+        engine.run(stop, settings.detect_interval_s)
+    except KeyboardInterrupt:
+        stop.set()
+
+
+@app.command("detect-csv")
+def detect_csv(
+    detector: Annotated[str | None, typer.Option(help="detector name (see --list)")] = None,
+    list_: Annotated[bool, typer.Option("--list", help="name the detectors")] = False,
+) -> None:
+    """Score a `timestamp,value` CSV from stdin online; write it with `anomaly_score`."""
+    from detectors.anomaly.csvscore import score_csv
+
+    from detectors.anomaly.registry import DEFAULT_DETECTOR, DETECTORS
+
+    if list_:
+        for name in DETECTORS:
+            sys.stdout.write(f"{name}{' (default)' if name == DEFAULT_DETECTOR else ''}\n")
+        return
+    if detector is not None and detector not in DETECTORS:
+        console.print(f"[red]unknown detector {detector!r}[/red]; one of: {', '.join(DETECTORS)}")
+        raise typer.Exit(2)
+    try:
+        score_csv(sys.stdin, sys.stdout, detector)
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(1) from None
 
 
 @dlq_app.command("list")

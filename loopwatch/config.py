@@ -81,6 +81,23 @@ class Settings(BaseSettings):
         0.01, ge=0, description="relative difference between reported and priced cost"
     )
 
+    detect_interval_s: float = Field(15.0, gt=0, description="seconds between rule passes")
+    alertmanager_url: str | None = Field(None, description="post alerts to this Alertmanager")
+    webhook_url: str | None = Field(None, description="loopwatch's own signed webhook")
+    webhook_secret: str = Field("", description="HMAC-SHA256 key for the webhook signature")
+    slack_webhook_url: str | None = None
+    pagerduty_url: str | None = Field(
+        None, description="PagerDuty Events API v2 endpoint (enqueue URL)")
+    pagerduty_routing_key: str = ""
+    renotify_s: float = Field(4 * 3600.0, gt=0, description="re-send a still-firing alert")
+    alertmanager_resend_s: float = Field(60.0, gt=0)
+    silences: list[dict[str, Any]] = Field(default_factory=list)
+    tool_criticality: dict[str, str] = Field(
+        default_factory=dict, description="tool -> critical|warning|info (tool alert severity)")
+    daily_budget_usd: dict[str, float] = Field(default_factory=dict)
+    rule_overrides: list[dict[str, Any]] = Field(default_factory=list)
+    link_base_url: str = Field("", description="base URL of the run drill-down, for alert links")
+
     spool_max_bytes: int = Field(256 * 1024 * 1024, ge=1024)
     sink_retry_s: float = Field(1.0, gt=0)
     service_host: str = "127.0.0.1"
@@ -126,6 +143,10 @@ class Settings(BaseSettings):
     @property
     def spool_dir(self) -> Path:
         return self.data_dir / "spool"
+
+    @property
+    def outbox_path(self) -> Path:
+        return self.data_dir / "outbox" / "notifications.jsonl"
 
     @property
     def service_file(self) -> Path:

@@ -22,7 +22,11 @@ from loopwatch.report import fleet_report
 from loopwatch.simulator import FleetSimulator, SimulatorResult
 from loopwatch.upprocess import UpProcess
 
-SETTINGS_ENV = ("abandon_ttl_s", "idle_advance_s", "late_allowance_s")
+SETTINGS_ENV = ("abandon_ttl_s", "idle_advance_s", "late_allowance_s", "detect_interval_s")
+ALERTS_SQL = """
+SELECT rule, severity, state, summary, playbook FROM alerts FINAL
+WHERE state != 'pending' ORDER BY severity = 'critical' DESC, rule, summary
+"""
 
 
 def _status_line(phase: str, started: float, result: SimulatorResult, emitter: Emitter,
@@ -82,7 +86,9 @@ def run_demo(settings: Settings, duration_s: float, rate: float, seed: int,
                 live.update(_status_line("draining", started, result, emitter, up.health()),
                             refresh=True)
             _wait_until_stored(up, emitter, timeout_s=settings.abandon_ttl_s * 3 + 120)
+            time.sleep(settings.detect_interval_s * 2)  # one more detector pass on the end
         report = fleet_report(up.reader)
+        report["alerts"] = up.reader.query(ALERTS_SQL).records()
     report["store"] = f"chdb://{data_dir / 'chdb'}"
     report["emitted_events"] = emitter.stats.sent
     report["planned_outcomes"] = {agent: dict(counts)
@@ -126,6 +132,14 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     for label, cell in rows:
         metrics.add_row(label, *(cell(entry) for entry in entries))
     console.print(metrics)
+    if report.get("alerts"):
+        alerts = Table(title="alerts the detectors raised (see: loopwatch playbook NAME)")
+        for column in ("severity", "state", "rule", "summary", "playbook"):
+            alerts.add_column(column)
+        for alert in report["alerts"]:
+            alerts.add_row(*(str(alert[c]) for c in ("severity", "state", "rule", "summary",
+                                                     "playbook")))
+        console.print(alerts)
     data_dir = report["store"].removeprefix("chdb://").removesuffix("/chdb")
     console.print(f"data: {report['store']}")
     console.print(f"investigate: loopwatch investigate top_cost_runs --data-dir {data_dir}")

@@ -22,6 +22,7 @@ from typing import Any
 import faust
 import orjson
 
+from detectors.service import start_detectors
 from loopwatch.config import Settings
 from loopwatch.deadletters import replay_pending
 from loopwatch.embedded.broker import EmbeddedBroker
@@ -137,6 +138,7 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
         signal.signal(signum, lambda *_: stop_requested.set())
     broker: EmbeddedBroker | None = None
     service: StoreService | None = None
+    detectors_stop = threading.Event()
     try:
         if settings.kafka_bootstrap:
             bootstrap = settings.kafka_bootstrap
@@ -150,10 +152,16 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
                               open_runs=open_runs, lookup_run=lookup_run)
         store = settings.clickhouse_url or f"chdb://{settings.chdb_path}"
 
+        detectors = start_detectors(settings, connect(settings), connect(settings),
+                                    detectors_stop)
+
         def status() -> dict[str, Any]:
+            outbox = detectors.outbox
             return {"counters": vars(processor.pipeline.counters),
                     "sink_failures": processor.sink.failures,
-                    "caught_up": processor.caught_up()}
+                    "caught_up": processor.caught_up(),
+                    "alerts_open": len(detectors.book.open),
+                    "notifications_pending": outbox.pending if outbox else 0}
 
         admin_client = connect(settings)
         actions = {
@@ -178,6 +186,7 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
         with contextlib.suppress(SystemExit):
             worker.execute_from_commandline()
     finally:
+        detectors_stop.set()
         if service is not None:
             service.stop()
         if broker is not None:

@@ -83,6 +83,7 @@ class Processor:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sink")
         self._adopted_for: frozenset[int] | None = None
         self.positions: dict[int, int] = {}
+        self._caught_up = False
         self.app = faust.App(
             settings.consumer_group,
             broker=";".join(f"kafka://{host}" for host in bootstrap.split(",")),
@@ -132,6 +133,7 @@ class Processor:
                 )
 
     async def _sweep(self) -> None:
+        self._caught_up = self._compute_caught_up()
         if not self._ready():
             return
         self._adopt_open_runs()
@@ -171,7 +173,14 @@ class Processor:
             )
 
     def caught_up(self) -> bool:
-        """True when this worker owns partitions and has processed each up to its end."""
+        """True when this worker owns partitions and has processed each up to its end.
+
+        Safe from any thread: it reads a flag the event loop refreshes every second
+        (touching faust's consumer from another thread would create it on the wrong loop).
+        """
+        return self._caught_up
+
+    def _compute_caught_up(self) -> bool:
         consumer = self.app.consumer
         owned = [tp for tp in self.app.assignor.assigned_actives()
                  if tp.topic == self.settings.events_topic]

@@ -6,7 +6,10 @@ Tests isolate themselves by agent name (``agent`` fixture), never by fresh servi
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,10 +20,11 @@ from clickhouse_connect.driver.client import Client
 
 from ingest.sdk import Emitter
 from loopwatch.config import Settings
-from loopwatch.embedded.broker import EmbeddedBroker
+from loopwatch.embedded.broker import EmbeddedBroker, free_port
 from loopwatch.store.clickhouse import migrate
 from loopwatch.store.reader import ServiceReader
 from loopwatch.upprocess import UpProcess
+from tests.receivers import Receiver
 
 T = TypeVar("T")
 
@@ -66,12 +70,59 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedBroker]
 
 
 @pytest.fixture(scope="session")
-def pipeline(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory
-             ) -> Iterator[UpProcess]:
-    """The processor, as a child ``loopwatch up`` on the session broker; tests may kill and
-    restart it (``restart_pipeline``), which keeps this object valid."""
+def alert_receiver() -> Iterator[Receiver]:
+    receiver = Receiver()
+    yield receiver
+    receiver.close()
+
+
+@pytest.fixture(scope="session")
+def alertmanager(alert_receiver: Receiver, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[str]:
+    """A real Alertmanager (Debian prometheus-alertmanager) routing to ``alert_receiver``."""
+    binary = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
+    if binary is None:
+        pytest.fail("prometheus-alertmanager is not installed (.ci/run installs it)")
+    folder = tmp_path_factory.mktemp("alertmanager")
+    config = folder / "alertmanager.yml"
+    config.write_text(
+        "route:\n  receiver: hook\n  group_by: ['alertname', 'agent']\n"
+        "  group_wait: 1s\n  group_interval: 1s\n  repeat_interval: 1h\n"
+        "receivers:\n  - name: hook\n    webhook_configs:\n"
+        f"      - url: {alert_receiver.url}/alertmanager\n        send_resolved: true\n")
+    port = free_port()
+    with (folder / "alertmanager.log").open("wb") as log:
+        process = subprocess.Popen(
+            [binary, f"--config.file={config}", f"--storage.path={folder / 'data'}",
+             f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
+            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _ready(url), 30, what="alertmanager to be ready")
+        yield url
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/-/ready", timeout=1) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def pipeline(broker: EmbeddedBroker, alertmanager: str,
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
+    """The processor and detectors, as a child ``loopwatch up`` on the session broker,
+    posting alerts to the session Alertmanager; tests may kill and restart it."""
     up = UpProcess(tmp_path_factory.mktemp("store"),
-                   {**PIPELINE_ENV, "LOOPWATCH_KAFKA_BOOTSTRAP": broker.bootstrap})
+                   {**PIPELINE_ENV, "LOOPWATCH_KAFKA_BOOTSTRAP": broker.bootstrap,
+                    "LOOPWATCH_ALERTMANAGER_URL": alertmanager,
+                    "LOOPWATCH_DETECT_INTERVAL_S": "1",
+                    "LOOPWATCH_LINK_BASE_URL": "http://loopwatch.local"})
     up.start()
     yield up
     up.stop()

@@ -1,0 +1,136 @@
+"""Alert lifecycle: pending -> firing -> resolved, one alert per rule and label set.
+
+A finding that turns active opens a *pending* alert; it *fires* once it has stayed active
+for the rule's for-duration (event time); it *resolves* when the condition is false or
+its rows are gone. A rule that lacks samples or history neither fires nor resolves.
+
+>>> from datetime import datetime, timedelta, UTC
+>>> from detectors.rules import Finding, load_rules
+>>> rule = load_rules()["stuck_run"]
+>>> book, t0 = AlertBook(), datetime(2026, 1, 1, tzinfo=UTC)
+>>> hit = Finding(rule, {"agent": "a", "task_type": "t", "run_id": "r"}, 25.0, "active", 1)
+>>> [(t.kind, t.alert.state) for t in book.observe(rule, [hit], t0)]
+[('fired', 'firing')]
+>>> [(t.kind, t.alert.state) for t in book.observe(rule, [], t0 + timedelta(minutes=1))]
+[('resolved', 'resolved')]
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+import orjson
+
+from detectors.rules import Finding, Rule
+
+AlertState = Literal["pending", "firing", "resolved"]
+
+
+def fingerprint(rule: str, labels: dict[str, str]) -> str:
+    body = orjson.dumps({"rule": rule, "labels": labels}, option=orjson.OPT_SORT_KEYS)
+    return hashlib.sha256(body).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Alert:
+    fingerprint: str
+    rule: str
+    severity: str
+    labels: dict[str, str]
+    playbook: str
+    summary: str
+    value: float
+    state: AlertState
+    started_at: datetime
+    fired_at: datetime | None = None
+    resolved_at: datetime | None = None
+    evidence: dict[str, Any] = field(default_factory=dict)
+    link: str = ""
+    version: int = 1
+
+    def row(self, updated_at: datetime) -> dict[str, Any]:
+        """As a row of the ``alerts`` table."""
+        return {
+            "fingerprint": self.fingerprint, "started_at": self.started_at, "rule": self.rule,
+            "severity": self.severity, "state": self.state, "labels": self.labels,
+            "summary": self.summary, "playbook": self.playbook, "value": self.value,
+            "fired_at": self.fired_at, "resolved_at": self.resolved_at,
+            "evidence": orjson.dumps(self.evidence, default=str).decode(), "link": self.link,
+            "version": self.version, "updated_at": updated_at,
+        }
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> Alert:
+        return cls(
+            fingerprint=row["fingerprint"], rule=row["rule"], severity=row["severity"],
+            labels=dict(row["labels"]), playbook=row["playbook"], summary=row["summary"],
+            value=float(row["value"]), state=row["state"], started_at=row["started_at"],
+            fired_at=row["fired_at"], resolved_at=row["resolved_at"],
+            evidence=orjson.loads(row["evidence"] or "{}"), link=row["link"],
+            version=int(row["version"]),
+        )
+
+
+@dataclass(frozen=True)
+class Transition:
+    kind: Literal["pending", "fired", "resolved", "cancelled"]
+    alert: Alert
+
+
+class AlertBook:
+    """The open (pending or firing) alerts, and the transitions each evaluation causes."""
+
+    def __init__(self, open_alerts: Iterable[Alert] = (),
+                 severity_for: Any = None) -> None:
+        self.open: dict[str, Alert] = {alert.fingerprint: alert for alert in open_alerts}
+        self._severity_for = severity_for
+
+    def observe(self, rule: Rule, findings: list[Finding], now: datetime) -> list[Transition]:
+        transitions: list[Transition] = []
+        seen: set[str] = set()
+        undecided: set[str] = set()
+        for finding in findings:
+            key = fingerprint(rule.name, finding.labels)
+            if finding.state in ("too_few_samples", "waiting_for_history"):
+                undecided.add(key)
+                continue
+            if not finding.active:
+                continue
+            seen.add(key)
+            transitions.extend(self._active(rule, finding, key, now))
+        for key, alert in list(self.open.items()):
+            if alert.rule != rule.name or key in seen or key in undecided:
+                continue
+            del self.open[key]
+            if alert.state == "firing":
+                resolved = replace(alert, state="resolved", resolved_at=now,
+                                   version=alert.version + 1)
+                transitions.append(Transition("resolved", resolved))
+            else:
+                cancelled = replace(alert, state="resolved", resolved_at=now,
+                                    version=alert.version + 1)
+                transitions.append(Transition("cancelled", cancelled))
+        return transitions
+
+    def _active(self, rule: Rule, finding: Finding, key: str, now: datetime) -> list[Transition]:
+        alert = self.open.get(key)
+        effective = rule.for_labels(finding.labels)
+        if alert is None:
+            severity = self._severity_for(rule, finding.labels) if self._severity_for else None
+            alert = Alert(key, rule.name, severity or rule.severity, finding.labels,
+                          rule.playbook, finding.summary(), finding.value, "pending", now)
+            self.open[key] = alert
+            if effective.for_ > timedelta(0):  # a for-duration: wait in pending first
+                return [Transition("pending", alert)]
+        else:
+            alert = replace(alert, value=finding.value, summary=finding.summary())
+            self.open[key] = alert
+        if alert.state == "pending" and now - alert.started_at >= effective.for_:
+            fired = replace(alert, state="firing", fired_at=now, version=alert.version + 1)
+            self.open[key] = fired
+            return [Transition("fired", fired)]
+        return []

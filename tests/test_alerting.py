@@ -1,0 +1,196 @@
+"""Alerts reach people: through a real Alertmanager from the running pipeline, and through
+loopwatch's own signed webhooks (dedup, grouping, re-notify, silences, retries)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from detectors.engine import DetectorEngine, Policy
+from detectors.notify import WebhookNotifier, verify_signature
+from detectors.outbox import Outbox
+from ingest.events import RunEnd
+from ingest.sdk import RunContext
+from tests.conftest import wait_for
+from tests.receivers import Receiver
+from tests.test_rules import NOW, Fleet, engine
+
+SECRET = "s3cret-for-tests"
+
+
+def alerts_for(receiver: Receiver, agent: str, status: str) -> list[dict[str, Any]]:
+    found = []
+    for request in receiver.requests:
+        if request["path"] != "/alertmanager":
+            continue
+        for alert in request["json"]["alerts"]:
+            if alert["labels"].get("agent") == agent and alert["status"] == status:
+                found.append(alert)
+    return found
+
+
+def test_stuck_run_pages_through_a_real_alertmanager_and_resolves(
+        pipeline, emitter, alert_receiver, agent):
+    run = RunContext(emitter, uuid.uuid4().hex, {"agent": agent, "task_type": "qa"})
+    run.start()
+    for _ in range(22):
+        run.step()
+    emitter.flush()
+    firing = wait_for(lambda: alerts_for(alert_receiver, agent, "firing"), 90,
+                      what="the stuck_run alert to reach the Alertmanager webhook")
+    alert = firing[0]
+    assert alert["labels"]["alertname"] == "stuck_run"
+    assert alert["labels"]["severity"] == "warning"
+    assert alert["labels"]["run_id"] == run.run_id
+    assert alert["annotations"]["playbook"] == "agent_stuck_in_loop"
+    assert alert["annotations"]["summary"] == (
+        f"run {run.run_id} of {agent} is still running after 22 steps")
+    assert alert["generatorURL"] == f"http://loopwatch.local/runs/{run.run_id}"
+    run.end("model_done")
+    emitter.flush()
+    wait_for(lambda: alerts_for(alert_receiver, agent, "resolved"), 120,
+             what="the resolved notification")
+
+
+def test_alerts_command_lists_the_history(pipeline, emitter, agent, reader):
+    run = RunContext(emitter, uuid.uuid4().hex, {"agent": agent})
+    run.start()
+    for _ in range(21):
+        run.step()
+    emitter.flush()
+    wait_for(lambda: reader.query("SELECT count() FROM alerts FINAL WHERE labels['agent'] = "
+                                  "{a:String} AND state = 'firing'", {"a": agent}).scalar(),
+             90, what="a firing alert in the history")
+    listed = subprocess.run([sys.executable, "-m", "loopwatch.cli", "alerts", "--json"],
+                            env=pipeline.env, capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    mine = [a for a in orjson.loads(listed.stdout) if a["labels"].get("agent") == agent]
+    assert [(a["rule"], a["state"], a["playbook"]) for a in mine] == [
+        ("stuck_run", "firing", "agent_stuck_in_loop")]
+
+
+@pytest.fixture()
+def hook() -> Any:
+    receiver = Receiver()
+    yield receiver
+    receiver.close()
+
+
+def own_engine(local_store: Any, tmp_path: Path, receiver: Receiver, **policy: Any
+               ) -> DetectorEngine:
+    detector = engine(local_store, Policy(**policy))
+    detector.outbox = Outbox(tmp_path / "outbox.jsonl",
+                             {"webhook": WebhookNotifier(receiver.url + "/hook", SECRET)},
+                             max_backoff_s=0.0)
+    return detector
+
+
+def stuck_runs(local_store: Any, count: int) -> str:
+    fleet = Fleet(local_store)
+    agent = f"notify-{uuid.uuid4().hex[:8]}"
+    for _ in range(count):
+        fleet.run(agent, NOW - timedelta(minutes=1), steps=25, end=None)
+    fleet.flush()
+    return agent
+
+
+def mine(receiver: Receiver, agent: str) -> list[dict[str, Any]]:
+    return [request for request in receiver.requests
+            if any(a["alert"]["labels"].get("agent") == agent for a in request["json"]["alerts"])]
+
+
+def test_webhook_is_signed_grouped_and_deduplicated(local_store, tmp_path, hook):
+    agent = stuck_runs(local_store, 2)
+    detector = own_engine(local_store, tmp_path, hook)
+    detector.evaluate(event_now=NOW, wall_now=NOW)
+    requests = mine(hook, agent)
+    assert len(requests) == 1  # two alerts of one rule and severity: one grouped request
+    request = requests[0]
+    assert {a["alert"]["labels"]["agent"] for a in request["json"]["alerts"]} == {agent}
+    assert len([a for a in request["json"]["alerts"]
+                if a["alert"]["labels"]["agent"] == agent]) == 2
+    headers = {key.lower(): value for key, value in request["headers"].items()}
+    assert verify_signature(SECRET, headers["x-loopwatch-timestamp"], request["body"],
+                            headers["x-loopwatch-signature"])
+    assert not verify_signature("wrong", headers["x-loopwatch-timestamp"], request["body"],
+                                headers["x-loopwatch-signature"])
+    detector.evaluate(event_now=NOW, wall_now=NOW + timedelta(minutes=1))
+    assert len(mine(hook, agent)) == 1  # still firing: no second page within renotify
+
+
+def test_still_firing_alerts_renotify_after_the_interval(local_store, tmp_path, hook):
+    agent = stuck_runs(local_store, 1)
+    detector = own_engine(local_store, tmp_path, hook, renotify=timedelta(hours=1))
+    detector.evaluate(event_now=NOW, wall_now=NOW)
+    detector.evaluate(event_now=NOW, wall_now=NOW + timedelta(minutes=59))
+    assert len(mine(hook, agent)) == 1
+    detector.evaluate(event_now=NOW, wall_now=NOW + timedelta(minutes=61))
+    assert len(mine(hook, agent)) == 2
+
+
+def test_silenced_alerts_are_recorded_but_not_sent(local_store, tmp_path, hook):
+    agent = stuck_runs(local_store, 1)
+    until = (NOW + timedelta(hours=1)).isoformat()
+    detector = own_engine(local_store, tmp_path, hook,
+                          silences=[{"match": {"agent": agent}, "until": until}])
+    fired = detector.evaluate(event_now=NOW, wall_now=NOW)
+    assert [t.kind for t in fired if t.alert.labels.get("agent") == agent] == ["fired"]
+    assert mine(hook, agent) == []
+
+
+def test_a_receiver_that_is_down_gets_the_alert_once_it_is_back(local_store, tmp_path, hook):
+    agent = stuck_runs(local_store, 1)
+    hook.down = True
+    detector = own_engine(local_store, tmp_path, hook)
+    detector.evaluate(event_now=NOW, wall_now=NOW)
+    assert detector.outbox is not None and detector.outbox.pending >= 1
+    assert detector.outbox.failures >= 1
+    # the process restarts: a new outbox on the same file still holds the notification
+    reopened = Outbox(tmp_path / "outbox.jsonl",
+                      {"webhook": WebhookNotifier(hook.url + "/hook", SECRET)}, max_backoff_s=0)
+    assert reopened.pending == detector.outbox.pending
+    hook.down = False
+    reopened.flush()
+    assert reopened.pending == 0
+    assert len(mine(hook, agent)) == 1
+
+
+def test_resolved_alerts_are_sent_once(local_store, tmp_path, hook):
+    fleet = Fleet(local_store)
+    agent = f"notify-{uuid.uuid4().hex[:8]}"
+    run_id = fleet.run(agent, NOW - timedelta(minutes=1), steps=25, end=None)
+    fleet.flush()
+    detector = own_engine(local_store, tmp_path, hook)
+    detector.evaluate(event_now=NOW, wall_now=NOW)
+    fleet.add(RunEnd(ts=NOW + timedelta(minutes=1), run_id=run_id, agent=agent,
+                     terminal_reason="model_done"))
+    fleet.flush()
+    detector.evaluate(event_now=NOW + timedelta(minutes=2), wall_now=NOW + timedelta(minutes=2))
+    detector.evaluate(event_now=NOW + timedelta(minutes=3), wall_now=NOW + timedelta(minutes=3))
+    statuses = [a["status"] for r in mine(hook, agent) for a in r["json"]["alerts"]]
+    assert statuses == ["firing", "resolved"]
+
+
+def test_slack_and_pagerduty_payloads(hook):
+    alert = {"fingerprint": "f1", "rule": "tool_error_rate", "severity": "critical",
+             "labels": {"agent": "a", "tool": "search"}, "summary": "search failed",
+             "playbook": "upstream_tool_outage", "value": 0.8, "link": "http://x/runs/r",
+             "evidence": {}, "started_at": datetime.now(UTC).isoformat(), "resolved_at": None}
+    WebhookNotifier(hook.url + "/slack", format="slack").deliver(
+        [{"status": "firing", "alert": alert}])
+    WebhookNotifier(hook.url + "/pd", format="pagerduty", routing_key="rk").deliver(
+        [{"status": "resolved", "alert": alert}])
+    slack, pagerduty = (r["json"] for r in hook.requests)
+    assert slack["text"] == (":rotating_light: *[FIRING] tool_error_rate* (critical): search "
+                             "failed  playbook: `upstream_tool_outage`  <http://x/runs/r|drill "
+                             "down>")
+    assert (pagerduty["event_action"], pagerduty["dedup_key"], pagerduty["routing_key"]) == (
+        "resolve", "f1", "rk")
+    assert pagerduty["payload"]["severity"] == "critical"

@@ -1,0 +1,351 @@
+"""Each alert rule fires on a scripted incident and stays silent on clean traffic.
+
+Incidents are written through the real engine-free pipeline into the in-process chdb
+store, with scripted event times; the detector engine then evaluates at a chosen event
+time. Every test uses its own agent names, so the shared store's other data is ignored.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from detectors.engine import DetectorEngine, Policy
+from detectors.rules import Finding, load_rules, with_overrides
+from ingest.events import EventBase, Label, LlmCall, RunEnd, RunStart, Step, ToolCall
+from ingest.wire import encode_envelope
+from loopwatch.reprocess import MemoryRunStore
+from loopwatch.store.clickhouse import run_query
+from processors.pipeline import Pipeline, RawMessage
+from processors.sink import ClickHouseSink, RowBatch
+
+NOW = datetime(2026, 11, 20, 11, 0, tzinfo=UTC)
+
+
+class Fleet:
+    """Writes scripted events into the in-process store."""
+
+    def __init__(self, local_store: Any) -> None:
+        self.settings, self.client = local_store
+        self.events: list[EventBase] = []
+        self.pipeline = Pipeline(self.settings, MemoryRunStore())  # run state across flushes
+        self.offset = 0
+
+    def run(self, agent: str, at: datetime, *, steps: int = 1, end: str | None = "model_done",
+            loop: bool = False, **llm: Any) -> str:
+        run_id = uuid.uuid4().hex
+        common = {"run_id": run_id, "agent": agent, "model": "claude-sonnet-4"}
+        self.events.append(RunStart(ts=at, **common))
+        for number in range(steps):
+            self.events.append(Step(ts=at + timedelta(seconds=number), step=number, **common))
+        if llm:
+            self.events.append(LlmCall(ts=at, **common, **llm))
+        if loop:
+            for _ in range(3):
+                self.events.append(ToolCall(ts=at, tool="grep", args_hash="same", **common))
+        if end:
+            self.events.append(RunEnd(ts=at + timedelta(seconds=steps + 1), terminal_reason=end,
+                                      **common))
+        return run_id
+
+    def add(self, event: EventBase) -> None:
+        self.events.append(event)
+
+    def flush(self) -> None:
+        messages = []
+        for start in range(0, len(self.events), 500):
+            self.offset += 1
+            messages.append(RawMessage("t", 0, self.offset,
+                                       encode_envelope(self.events[start:start + 500])))
+        ClickHouseSink(self.client).write_batch(self.pipeline.process(messages).rows)
+        self.events = []
+
+
+@pytest.fixture()
+def fleet(local_store: Any) -> Fleet:
+    return Fleet(local_store)
+
+
+def engine(local_store: Any, policy: Policy | None = None, overrides: Any = ()) -> DetectorEngine:
+    _, client = local_store
+
+    def write(table: str, rows: list[dict[str, Any]]) -> None:
+        ClickHouseSink(client).write_batch(RowBatch({table: rows}))
+
+    rules = with_overrides(load_rules(), overrides)
+    return DetectorEngine(lambda sql, p: run_query(client, sql, p, readonly=True), write,
+                          rules=rules, policy=policy, playbook_steps=lambda name: [])
+
+
+def finding(engine_: DetectorEngine, rule: str, agent: str) -> Finding | None:
+    matches = [f for f in engine_.last_findings.get(rule, []) if f.labels.get("agent") == agent]
+    assert len(matches) <= 1
+    return matches[0] if matches else None
+
+
+def agents() -> tuple[str, str]:
+    tag = uuid.uuid4().hex[:8]
+    return f"bad-{tag}", f"good-{tag}"
+
+
+def test_stuck_run(fleet, local_store):
+    bad, good = agents()
+    fleet.run(bad, NOW - timedelta(minutes=2), steps=25, end=None)
+    fleet.run(good, NOW - timedelta(minutes=2), steps=5, end=None)
+    fleet.flush()
+    detector = engine(local_store)
+    fired = detector.evaluate(event_now=NOW)
+    assert finding(detector, "stuck_run", bad).value == 25
+    assert finding(detector, "stuck_run", good).state == "inactive"
+    mine = [t for t in fired if t.alert.labels.get("agent") == bad]
+    assert [(t.kind, t.alert.rule, t.alert.severity) for t in mine] == [
+        ("fired", "stuck_run", "warning")]
+
+
+def test_loop_rate_critical_and_warning(fleet, local_store):
+    bad, good = agents()
+    for index in range(20):
+        fleet.run(bad, NOW - timedelta(minutes=5), loop=index < 2)
+        fleet.run(good, NOW - timedelta(minutes=5))
+    fleet.flush()
+    detector = engine(local_store)
+    detector.evaluate(event_now=NOW)
+    assert finding(detector, "loop_rate_critical", bad).value == pytest.approx(0.1)
+    assert finding(detector, "loop_rate_critical", bad).active
+    assert finding(detector, "loop_rate_warning", bad).active
+    assert not finding(detector, "loop_rate_critical", good).active
+
+
+def test_cost_spike_fires_against_history_and_waits_without_it(fleet, local_store):
+    bad, good = agents()
+    fresh = f"fresh-{bad}"
+    for hours in range(2, 48):
+        for agent in (bad, good):
+            fleet.run(agent, NOW - timedelta(hours=hours), input_tokens=1000)
+    for _ in range(20):
+        fleet.run(bad, NOW - timedelta(minutes=10), input_tokens=1000)
+        fleet.run(fresh, NOW - timedelta(minutes=10), input_tokens=1000)
+    fleet.run(good, NOW - timedelta(minutes=10), input_tokens=1000)
+    fleet.flush()
+    detector = engine(local_store)
+    detector.evaluate(event_now=NOW)
+    spike = finding(detector, "cost_spike", bad)
+    assert spike.active and spike.value == pytest.approx(20 * 0.003)
+    assert spike.baseline == pytest.approx(46 * 0.003 / 47, rel=0.05)
+    assert not finding(detector, "cost_spike", good).active
+    waiting = finding(detector, "cost_spike", fresh)
+    assert waiting.state == "waiting_for_history"
+    assert waiting.detail == "baseline needs 1d of history, has 0s"
+
+
+def test_tool_error_rate_takes_severity_from_tool_criticality(fleet, local_store):
+    bad, good = agents()
+    for index in range(10):
+        for agent, failing in ((bad, index < 8), (good, index < 1)):
+            fleet.add(ToolCall(ts=NOW - timedelta(minutes=2), run_id=f"r-{agent}", agent=agent,
+                               tool="search", args_hash=str(index),
+                               error_type="http_5xx" if failing else None))
+    fleet.flush()
+    detector = engine(local_store, Policy(tool_criticality={"search": "warning"}))
+    fired = detector.evaluate(event_now=NOW)
+    assert finding(detector, "tool_error_rate", bad).value == pytest.approx(0.8)
+    assert not finding(detector, "tool_error_rate", good).active
+    alert = next(t.alert for t in fired if t.alert.rule == "tool_error_rate"
+                 and t.alert.labels["agent"] == bad)
+    assert alert.severity == "warning"
+
+
+def test_rate_limits_are_counted_apart_from_errors(fleet, local_store):
+    bad, _ = agents()
+    for index in range(20):
+        status = 429 if index < 5 else 200
+        fleet.add(LlmCall(ts=NOW - timedelta(minutes=1), run_id="r", agent=bad,
+                          provider="anthropic", http_status=status,
+                          error_type="rate_limited" if status == 429 else None))
+    fleet.flush()
+    detector = engine(local_store)
+    detector.evaluate(event_now=NOW)
+    assert finding(detector, "rate_limit_storm", bad).value == pytest.approx(0.25)
+    assert finding(detector, "rate_limit_storm", bad).active
+    assert finding(detector, "llm_error_rate_critical", bad).value == 0
+    assert not finding(detector, "llm_error_rate_warning", bad).active
+
+
+def test_retry_storm_on_a_permanent_400(fleet, local_store):
+    bad, good = agents()
+    for _ in range(10):
+        for attempt in range(1, 5):
+            fleet.add(LlmCall(ts=NOW - timedelta(minutes=3), run_id="r", agent=bad,
+                              attempt=attempt, http_status=400, error_type="invalid_request"))
+        fleet.add(LlmCall(ts=NOW - timedelta(minutes=3), run_id="r", agent=good, attempt=1))
+    fleet.flush()
+    detector = engine(local_store)
+    detector.evaluate(event_now=NOW)
+    assert finding(detector, "retry_storm", bad).value == pytest.approx(3.0)
+    assert finding(detector, "retry_storm", bad).active
+    assert finding(detector, "retry_storm", good).value == 0
+
+
+def test_hallucination_rate_from_late_labels(fleet, local_store):
+    bad, good = agents()
+    for index in range(10):
+        for agent, wrong in ((bad, index < 3), (good, False)):
+            fleet.add(Label(ts=NOW - timedelta(minutes=5), run_id=f"{agent}-{index}",
+                            agent=agent, verdict="wrong" if wrong else "correct"))
+    fleet.flush()
+    detector = engine(local_store)
+    detector.evaluate(event_now=NOW)
+    assert finding(detector, "hallucination_rate", bad).active
+    assert finding(detector, "hallucination_rate", bad).value == pytest.approx(0.3)
+    assert not finding(detector, "hallucination_rate", good).active
+
+
+def test_near_miss_high_means_the_timeout_is_too_low(fleet, local_store):
+    bad, good = agents()
+    for index, late in enumerate([1100, 1200, 1250, 1290, 4000]):
+        fleet.add(ToolCall(ts=NOW - timedelta(minutes=5), run_id="r", agent=bad, tool="search",
+                           args_hash=str(index), timed_out=True, timeout_ms=1000,
+                           latency_ms=1000, late_completion_ms=late))
+        fleet.add(ToolCall(ts=NOW - timedelta(minutes=5), run_id="r", agent=good, tool="search",
+                           args_hash=str(index), timed_out=True, timeout_ms=1000,
+                           latency_ms=1000, late_completion_ms=9000))
+    fleet.flush()
+    detector = engine(local_store)
+    detector.evaluate(event_now=NOW)
+    assert finding(detector, "near_miss_high", bad).value == pytest.approx(0.8)
+    assert finding(detector, "near_miss_high", bad).active
+    assert not finding(detector, "near_miss_high", good).active
+
+
+def test_silent_prompt_cache_miss(fleet, local_store):
+    bad, good = agents()
+    for minutes in range(20, 180, 5):
+        for agent in (bad, good):
+            fleet.add(LlmCall(ts=NOW - timedelta(minutes=minutes), run_id="r", agent=agent,
+                              input_tokens=10_000, cache_read_input_tokens=9000))
+    for index in range(10):
+        fleet.add(LlmCall(ts=NOW - timedelta(minutes=index + 1), run_id="r", agent=bad,
+                          input_tokens=10_000, cache_creation_input_tokens=9000))
+        fleet.add(LlmCall(ts=NOW - timedelta(minutes=index + 1), run_id="r", agent=good,
+                          input_tokens=10_000, cache_read_input_tokens=9000))
+    fleet.flush()
+    detector = engine(local_store)
+    detector.evaluate(event_now=NOW)
+    assert finding(detector, "cache_hit_collapse", bad).value == 0
+    assert finding(detector, "cache_hit_collapse", bad).active
+    assert not finding(detector, "cache_hit_collapse", good).active
+
+
+def test_model_version_change_is_info(fleet, local_store):
+    bad, good = agents()
+    for agent in (bad, good):
+        fleet.add(LlmCall(ts=NOW - timedelta(hours=3), run_id="r", agent=agent, model="gpt-4o",
+                          response_model="gpt-4o-2026-08"))
+    fleet.add(LlmCall(ts=NOW - timedelta(minutes=3), run_id="r", agent=bad, model="gpt-4o",
+                      response_model="gpt-4o-2026-11"))
+    fleet.add(LlmCall(ts=NOW - timedelta(minutes=3), run_id="r", agent=good, model="gpt-4o",
+                      response_model="gpt-4o-2026-08"))
+    fleet.flush()
+    detector = engine(local_store)
+    fired = detector.evaluate(event_now=NOW)
+    changed = finding(detector, "model_version_changed", bad)
+    assert changed.labels["response_model"] == "gpt-4o-2026-11"
+    assert finding(detector, "model_version_changed", good) is None
+    assert {t.alert.severity for t in fired if t.alert.rule == "model_version_changed"
+            and t.alert.labels["agent"] == bad} == {"info"}
+
+
+def test_silent_failure_jump_is_a_binomial_test(fleet, local_store):
+    bad, good = agents()
+    for hours in range(2, 30):
+        for agent in (bad, good):
+            fleet.run(agent, NOW - timedelta(hours=hours),
+                      end="cannot_complete" if hours % 20 == 0 else "model_done")
+    for index in range(30):
+        fleet.run(bad, NOW - timedelta(minutes=30),
+                  end="cannot_complete" if index < 12 else "model_done")
+        fleet.run(good, NOW - timedelta(minutes=30),
+                  end="cannot_complete" if index < 1 else "model_done")
+    fleet.flush()
+    detector = engine(local_store)
+    detector.evaluate(event_now=NOW)
+    jump = finding(detector, "silent_failure_jump", bad)
+    assert jump.active and jump.value == pytest.approx(0.4)
+    assert jump.extra["p_value"] < 1e-6
+    assert not finding(detector, "silent_failure_jump", good).active
+
+
+def test_quality_drop_against_the_seven_day_average(fleet, local_store):
+    bad, good = agents()
+    for hours in range(2, 50, 2):
+        for agent in (bad, good):
+            fleet.add(Label(ts=NOW - timedelta(hours=hours), run_id="r", agent=agent,
+                            verdict="correct", quality_score=0.9))
+    for index in range(10):
+        fleet.add(Label(ts=NOW - timedelta(minutes=index + 1), run_id="r", agent=bad,
+                        verdict="correct", quality_score=0.6))
+        fleet.add(Label(ts=NOW - timedelta(minutes=index + 1), run_id="r", agent=good,
+                        verdict="correct", quality_score=0.88))
+    fleet.flush()
+    detector = engine(local_store)
+    detector.evaluate(event_now=NOW)
+    assert finding(detector, "quality_drop", bad).active
+    assert not finding(detector, "quality_drop", good).active
+
+
+def test_daily_budget_before_noon_only_where_a_budget_is_set(fleet, local_store):
+    bad, good = agents()
+    for _ in range(10):
+        fleet.run(bad, NOW - timedelta(hours=1), input_tokens=100_000)  # $0.30 each
+        fleet.run(good, NOW - timedelta(hours=1), input_tokens=100_000)
+    fleet.flush()
+    detector = engine(local_store, Policy(daily_budget_usd={bad: 4.0}))
+    detector.evaluate(event_now=NOW)
+    assert finding(detector, "daily_budget", bad).value == pytest.approx(0.75)
+    assert finding(detector, "daily_budget", bad).active
+    assert finding(detector, "daily_budget", good).detail == "no budget set"
+    detector.evaluate(event_now=NOW + timedelta(hours=2))  # after noon the rule is quiet
+    assert finding(detector, "daily_budget", bad) is None
+
+
+def test_overrides_per_agent_and_for_duration_lifecycle(fleet, local_store):
+    bad, _ = agents()
+    fleet.run(bad, NOW - timedelta(minutes=2), steps=25, end=None)
+    fleet.flush()
+    override = [{"rule": "stuck_run", "match": {"agent": bad}, "threshold": 30}]
+    higher = engine(local_store, overrides=override)
+    assert not [t for t in higher.evaluate(event_now=NOW) if t.alert.labels.get("agent") == bad]
+    assert finding(higher, "stuck_run", bad).state == "inactive"
+    slow = [{"rule": "stuck_run", "match": {"agent": bad}, "for": "5m"}]
+    detector = engine(local_store, overrides=slow)
+    first = [t for t in detector.evaluate(event_now=NOW) if t.alert.labels["agent"] == bad]
+    assert [t.kind for t in first] == ["pending"]
+    later = [t for t in detector.evaluate(event_now=NOW + timedelta(minutes=5))
+             if t.alert.labels["agent"] == bad]
+    assert [t.kind for t in later] == ["fired"]
+    fleet.add(RunEnd(ts=NOW + timedelta(minutes=6), run_id=first[0].alert.labels["run_id"],
+                     agent=bad, terminal_reason="model_done"))
+    fleet.flush()
+    resolved = [t for t in detector.evaluate(event_now=NOW + timedelta(minutes=7))
+                if t.alert.labels["agent"] == bad]
+    assert [(t.kind, t.alert.state) for t in resolved] == [("resolved", "resolved")]
+    history = run_query(local_store[1], "SELECT state, fired_at IS NOT NULL, resolved_at IS NOT "
+                        "NULL FROM alerts FINAL WHERE labels['agent'] = {a:String}",
+                        {"a": bad}).rows
+    assert history == [["resolved", 1, 1]]
+
+
+def test_open_alerts_survive_an_engine_restart(fleet, local_store):
+    bad, _ = agents()
+    fleet.run(bad, NOW - timedelta(minutes=2), steps=30, end=None)
+    fleet.flush()
+    assert any(t.alert.labels.get("agent") == bad for t in
+               engine(local_store).evaluate(event_now=NOW))
+    restarted = engine(local_store)
+    again = [t for t in restarted.evaluate(event_now=NOW) if t.alert.labels.get("agent") == bad]
+    assert again == []  # still firing, not fired twice
+    assert any(a.labels.get("agent") == bad and a.state == "firing"
+               for a in restarted.book.open.values())

@@ -20,6 +20,9 @@ app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Streaming observability and anomaly detection for LLM agent fleets.")
 dlq_app = typer.Typer(no_args_is_help=True, help="Dead letters: input the pipeline refused.")
 app.add_typer(dlq_app, name="dlq")
+scenario_app = typer.Typer(no_args_is_help=True,
+                           help="Incident scenarios: inject failure modes, score the alerting.")
+app.add_typer(scenario_app, name="scenario")
 console = Console(stderr=True, soft_wrap=True)
 out = Console()
 
@@ -247,7 +250,6 @@ def detect_csv(
 ) -> None:
     """Score a `timestamp,value` CSV from stdin online; write it with `anomaly_score`."""
     from detectors.anomaly.csvscore import score_csv
-
     from detectors.anomaly.registry import DEFAULT_DETECTOR, DETECTORS
 
     if list_:
@@ -262,6 +264,92 @@ def detect_csv(
     except ValueError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(1) from None
+
+
+@scenario_app.command("list")
+def scenario_list() -> None:
+    """The scenario library: what each injects, and the alert and playbook that must catch it."""
+    from loopwatch.scenarios import load_scenarios
+
+    rows = [[s.name, s.description, ", ".join(s.expected), s.playbook]
+            for s in load_scenarios().values()]
+    print_table(["scenario", "injects", "must fire", "playbook"], rows, title="scenarios")
+
+
+@scenario_app.command("run")
+def scenario_run(
+    name: Annotated[str, typer.Argument(help="a scenario from `loopwatch scenario list`")],
+    speed: Annotated[float, typer.Option(help="simulated seconds per real second")] = 60.0,
+    seed: Annotated[int, typer.Option(help="traffic seed")] = 7,
+    data_dir: DataDir = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Play one scenario through the running stack and report which alerts fired when."""
+    from loopwatch.scenarios import load_scenarios
+    from loopwatch.scenarios.live import run_live
+
+    scenarios = load_scenarios()
+    if name not in scenarios:
+        console.print(f"[red]unknown scenario {name!r}[/red]; one of: {', '.join(scenarios)}")
+        raise typer.Exit(2)
+    settings = settings_from(data_dir)
+    result = run_live(scenarios[name], settings.data_dir / f"scenario-{name}", speed=speed,
+                      seed=seed, progress=None if as_json else console.print)
+    if as_json:
+        sys.stdout.write(json.dumps(result, default=str) + "\n")
+        return
+    print_table(["rule", "fired after (simulated s)"],
+                [[a["rule"], f"{a['after_s']:.0f}"] for a in result["alerts"]],
+                title=f"{name}: {'DETECTED' if result['detected'] else 'MISSED'} "
+                      f"(expected {', '.join(result['expected'])})")
+
+
+@scenario_app.command("score")
+def scenario_score(
+    days: Annotated[float, typer.Option(help="days of clean history loaded first")] = 7.0,
+    baseline_hours: Annotated[float, typer.Option(help="clean hours watched for "
+                                                       "false alerts")] = 24.0,
+    only: Annotated[list[str] | None, typer.Option(help="run only these scenarios")] = None,
+    seed: Annotated[int, typer.Option(help="traffic seed")] = 7,
+    data_dir: DataDir = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Scorecard: every scenario's detection and time to detect, and false alerts on a
+    clean baseline, all in simulated time against a fresh store."""
+    import shutil
+    import time
+
+    from loopwatch.scenarios.scorecard import score
+    from loopwatch.store.clickhouse import migrate
+
+    base = settings_from(data_dir)
+    folder = base.data_dir / "scorecard"
+    shutil.rmtree(folder, ignore_errors=True)
+    settings = settings_from(folder, abandon_ttl_s=360.0)
+    started = time.monotonic()
+
+    def progress(message: str) -> None:
+        if not as_json:
+            console.print(f"{time.monotonic() - started:6.0f}s  {message}")
+
+    card = score(migrate(settings), settings, seed=seed, history_days=days,
+                 baseline_hours=baseline_hours, scenario_names=only, progress=progress)
+    result = card.as_json()
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+        return
+    rows = []
+    for scenario, entry in result["scenarios"].items():
+        ttd = entry["time_to_detect_s"]
+        rows.append([scenario, "yes" if entry["detected"] else "MISSED",
+                     ", ".join(entry["expected"]), ", ".join(entry["fired"]),
+                     "-" if ttd is None else f"{ttd / 60:.0f} min"])
+    print_table(["scenario", "detected", "expected", "fired", "time to detect"], rows,
+                title=f"recall {result['recall']:.2f}")
+    false = result["baseline"]["false_alerts"]
+    console.print(f"clean baseline, {baseline_hours:g} simulated hours: false alerts "
+                  f"critical {false['critical']}, warning {false['warning']}, "
+                  f"info {false['info']} {card.false_alert_rules or ''}")
 
 
 @dlq_app.command("list")

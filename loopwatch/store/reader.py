@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import urllib.error
 import urllib.request
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 import orjson
@@ -60,8 +61,18 @@ class ServiceReader:
             raise QueryError(orjson.loads(exc.read()).get("error", str(exc))) from exc
 
     def query(self, sql: str, parameters: dict[str, Any] | None = None) -> QueryResult:
-        payload = self.post("/query", {"sql": sql, "parameters": parameters or {}})
+        wire = {key: _wire_value(value) for key, value in (parameters or {}).items()}
+        payload = self.post("/query", {"sql": sql, "parameters": wire})
         return QueryResult(payload["columns"], payload["rows"])
+
+
+def _wire_value(value: Any) -> Any:
+    """Datetimes cross the wire as ClickHouse reads them: UTC, no offset suffix."""
+    if isinstance(value, datetime):
+        if value.tzinfo is not None:
+            value = value.astimezone(UTC).replace(tzinfo=None)
+        return value.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+    return value
 
 
 def _alive(pid: int) -> bool:

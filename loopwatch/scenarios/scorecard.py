@@ -1,0 +1,179 @@
+"""The detection scorecard: recall, false alerts and time to detect, on event time.
+
+Everything runs in simulated time through the pipeline core (decode, run assembly,
+outcomes, rows) into a real ClickHouse store, and the detector engine is stepped minute
+by minute on event time, reading the same store. First N days of clean history are
+loaded (so the 7-day and time-of-day baselines exist), then a clean baseline is watched
+for false alerts, then each scenario gets its own segment: clean traffic, the injection,
+observation, and recovery so its alerts resolve before the next one.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from clickhouse_connect.driver.client import Client
+
+from detectors.alerts import Transition
+from detectors.engine import DetectorEngine
+from detectors.rules import load_rules
+from ingest.events import EventBase
+from ingest.wire import encode_envelope
+from loopwatch.config import Settings
+from loopwatch.reprocess import MemoryRunStore
+from loopwatch.scenarios import FLEET, Scenario, load_scenarios
+from loopwatch.scenarios.traffic import Injection, Traffic
+from loopwatch.store.clickhouse import run_query
+from processors.pipeline import Pipeline, RawMessage
+from processors.sink import ClickHouseSink, RowBatch
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class ScenarioResult:
+    expected: list[str]
+    fired: list[str]
+    detected: bool
+    time_to_detect_s: float | None
+    collateral: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Scorecard:
+    scenarios: dict[str, ScenarioResult]
+    baseline_hours: float
+    false_alerts: dict[str, int]
+    false_alert_rules: list[str]
+
+    @property
+    def recall(self) -> float:
+        if not self.scenarios:
+            return 0.0
+        return sum(r.detected for r in self.scenarios.values()) / len(self.scenarios)
+
+    def as_json(self) -> dict[str, Any]:
+        times = [r.time_to_detect_s for r in self.scenarios.values()
+                 if r.time_to_detect_s is not None]
+        return {
+            "scenarios": {name: {"detected": r.detected, "expected": r.expected,
+                                 "fired": r.fired, "time_to_detect_s": r.time_to_detect_s}
+                          for name, r in self.scenarios.items()},
+            "baseline": {"simulated_hours": self.baseline_hours,
+                         "false_alerts": self.false_alerts},
+            "recall": self.recall,
+            "median_time_to_detect_s": statistics.median(times) if times else None,
+        }
+
+
+class Simulation:
+    """A store fed in simulated time, and a detector engine stepped along with it."""
+
+    def __init__(self, client: Client, settings: Settings, seed: int,
+                 progress: Progress | None = None) -> None:
+        self.client = client
+        self.traffic = Traffic(FLEET, seed)
+        self.clock = 0.0
+        self.pipeline = Pipeline(settings, MemoryRunStore(), clock=lambda: self.clock)
+        self.sink = ClickHouseSink(client)
+        self.offset = 0
+        self.progress = progress or (lambda message: None)
+        rules = {name: rule for name, rule in load_rules().items() if rule.clock == "event"}
+        self.engine = DetectorEngine(
+            lambda sql, parameters: run_query(client, sql, parameters, readonly=True),
+            self._write, rules=rules, playbook_steps=lambda name: [])
+
+    def _write(self, table: str, rows: list[dict[str, Any]]) -> None:
+        self.sink.write_batch(RowBatch({table: rows}))
+
+    def feed(self, events: Iterable[EventBase], until: datetime) -> int:
+        ordered = sorted(events, key=lambda event: event.ts)
+        messages = []
+        for start in range(0, len(ordered), 1000):
+            self.offset += 1
+            messages.append(RawMessage("simulated", 0, self.offset,
+                                       encode_envelope(ordered[start:start + 1000])))
+        self.clock = until.timestamp()
+        if messages:
+            self.sink.write_batch(self.pipeline.process(messages).rows)
+        self.sink.write_batch(self.pipeline.sweep().rows)
+        return len(ordered)
+
+    def advance(self, start: datetime, end: datetime, step: timedelta,
+                injection: Injection | None = None, observe: bool = True) -> list[Transition]:
+        """Generate and store traffic from ``start`` to ``end``; evaluate after each step."""
+        transitions: list[Transition] = []
+        moment = start
+        while moment < end:
+            until = min(end, moment + step)
+            self.feed(self.traffic.events(moment, until, injection), until)
+            if observe:
+                transitions.extend(self.engine.evaluate(event_now=until, wall_now=until))
+            moment = until
+        return transitions
+
+
+def _first_fired(transitions: list[Transition], agent: str) -> dict[str, datetime]:
+    fired: dict[str, datetime] = {}
+    for transition in transitions:
+        alert = transition.alert
+        if transition.kind != "fired" or alert.labels.get("agent", agent) != agent:
+            continue
+        when = alert.fired_at or alert.started_at
+        if alert.rule not in fired or when < fired[alert.rule]:
+            fired[alert.rule] = when
+    return fired
+
+
+def score(client: Client, settings: Settings, *, seed: int = 7, history_days: float = 7,
+          baseline_hours: float = 24, scenario_names: Iterable[str] | None = None,
+          start: datetime | None = None, progress: Progress | None = None) -> Scorecard:
+    """Run the whole scorecard against the store behind ``client`` (it gains the data)."""
+    say = progress or (lambda message: None)
+    scenarios = load_scenarios()
+    chosen = [scenarios[name] for name in (scenario_names or scenarios)]
+    simulation = Simulation(client, settings, seed, say)
+    moment = start or datetime(2026, 1, 5, tzinfo=UTC)
+    say(f"loading {history_days:g} days of clean history")
+    history_end = moment + timedelta(days=history_days)
+    simulation.advance(moment, history_end, timedelta(hours=1), observe=False)
+    say(f"watching {baseline_hours:g} clean hours for false alerts")
+    baseline_end = history_end + timedelta(hours=baseline_hours)
+    baseline = simulation.advance(history_end, baseline_end, timedelta(minutes=5))
+    false_fired = [t.alert for t in baseline if t.kind == "fired"]
+    results: dict[str, ScenarioResult] = {}
+    moment = baseline_end
+    for scenario in chosen:
+        say(f"scenario {scenario.name}")
+        results[scenario.name], moment = _run_scenario(simulation, scenario, moment)
+    return Scorecard(
+        scenarios=results, baseline_hours=baseline_hours,
+        false_alerts={severity: sum(alert.severity == severity for alert in false_fired)
+                      for severity in ("critical", "warning", "info")},
+        false_alert_rules=sorted({alert.rule for alert in false_fired}),
+    )
+
+
+def _run_scenario(simulation: Simulation, scenario: Scenario,
+                  start: datetime) -> tuple[ScenarioResult, datetime]:
+    inject_at = start + timedelta(minutes=20)
+    observe_until = inject_at + timedelta(minutes=75)
+    simulation.advance(start, inject_at, timedelta(minutes=1))
+    injection = Injection(scenario.agent, inject_at, scenario.behaviour)
+    transitions = simulation.advance(inject_at, observe_until, timedelta(minutes=1), injection)
+    recovered = observe_until + timedelta(minutes=45)
+    simulation.advance(observe_until, recovered, timedelta(minutes=5))
+    fired = _first_fired(transitions, scenario.agent)
+    caught = [rule for rule in scenario.expected if rule in fired]
+    detected = bool(caught)
+    time_to_detect = (min((fired[rule] - inject_at).total_seconds() for rule in caught)
+                      if caught else None)
+    result = ScenarioResult(
+        expected=list(scenario.expected), fired=sorted(fired), detected=detected,
+        time_to_detect_s=time_to_detect,
+        collateral=sorted(set(fired) - set(scenario.expected)))
+    return result, recovered

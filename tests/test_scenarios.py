@@ -1,0 +1,47 @@
+"""Incident scenarios: the library is consistent with the rules, a reduced scorecard
+detects its scenarios with no false page, and one scenario runs through the live stack."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from detectors.rules import load_rules
+from loopwatch.scenarios import load_scenarios
+from loopwatch.scenarios.live import run_live
+from loopwatch.scenarios.scorecard import score
+
+REDUCED = ("upstream_tool_outage", "rate_limit_storm", "infinite_loop_storm")
+
+
+def test_every_scenario_names_rules_that_route_to_its_playbook():
+    rules = load_rules()
+    scenarios = load_scenarios()
+    assert len(scenarios) == 11
+    for scenario in scenarios.values():
+        for rule in scenario.expected:
+            assert rules[rule].playbook == scenario.playbook, (scenario.name, rule)
+
+
+def test_reduced_scorecard_detects_every_scenario_without_false_pages(local_store):
+    settings, client = local_store
+    card = score(client, settings, seed=11, history_days=1, baseline_hours=3,
+                 scenario_names=REDUCED)
+    result = card.as_json()
+    assert result["recall"] == 1.0, result
+    assert result["baseline"]["false_alerts"]["critical"] == 0, card.false_alert_rules
+    assert result["baseline"]["false_alerts"]["warning"] <= 1, card.false_alert_rules
+    rules = load_rules()
+    for name in REDUCED:
+        entry = result["scenarios"][name]
+        assert entry["detected"]
+        window = max(rules[rule].window.total_seconds() for rule in entry["expected"])
+        assert entry["time_to_detect_s"] <= window + 120, (name, entry)
+
+
+def test_one_scenario_through_the_live_stack(tmp_path: Path):
+    scenario = load_scenarios()["upstream_tool_outage"]
+    result = run_live(scenario, tmp_path / "live", speed=240, history_hours=1,
+                      before_minutes=5, observe_minutes=20)
+    assert result["detected"], result
+    assert "tool_error_rate" in result["fired"]
+    assert result["time_to_detect_s"] is not None and result["time_to_detect_s"] >= 0

@@ -75,6 +75,19 @@ def up(data_dir: DataDir = None) -> None:
 
 
 @app.command()
+def worker(data_dir: DataDir = None) -> None:
+    """An extra processor: joins the consumer group and shares the partitions."""
+    from loopwatch.runtime import run_worker
+
+    settings = settings_from(data_dir)
+    try:
+        run_worker(settings)
+    except RuntimeError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+
+
+@app.command()
 def demo(
     data_dir: DataDir = None,
     duration: Annotated[float, typer.Option(help="seconds of simulated traffic")] = 60.0,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import threading
 import time
@@ -28,11 +29,13 @@ from loopwatch.deadletters import replay_pending
 from loopwatch.embedded.broker import EmbeddedBroker
 from loopwatch.reprocess import reprocess_with
 from loopwatch.store.clickhouse import connect, migrate
+from loopwatch.store.reader import DirectReader, Reader, ServiceReader, running_service
+from loopwatch.store.remote_sink import ServiceSink
 from loopwatch.store.service import StoreService
 from loopwatch.topics import LagProbe, ensure_topics
 from processors.app import Processor
 from processors.runs import RunState
-from processors.sink import ClickHouseSink
+from processors.sink import ClickHouseSink, Sink
 
 log = logging.getLogger(__name__)
 
@@ -92,23 +95,74 @@ class DrainingWorker(faust.Worker):
         super()._on_sigterm()
 
 
-def _store_callbacks(settings: Settings) -> tuple[Callable[[], list[RunState]],
-                                                  Callable[[str], RunState | None]]:
-    lookups = connect(settings)
+def _store_callbacks(reader: Reader) -> tuple[Callable[[], list[RunState]],
+                                              Callable[[str], RunState | None]]:
+    """How the processors read run state back from the store (after a broker restart,
+    or for a label on a run their table has forgotten)."""
 
     def open_runs() -> list[RunState]:
-        result = lookups.query("SELECT state FROM runs FINAL WHERE status = 'running'")
-        return [RunState.from_dict(orjson.loads(row[0])) for row in result.result_rows]
+        result = reader.query("SELECT state FROM runs FINAL WHERE status = 'running'")
+        return [RunState.from_dict(orjson.loads(row[0])) for row in result.rows]
 
     def lookup_run(run_id: str) -> RunState | None:
-        result = lookups.query(
-            "SELECT state FROM runs FINAL WHERE run_id = {run_id:String}",
-            parameters={"run_id": run_id},
-        )
-        rows = result.result_rows
+        rows = reader.query("SELECT state FROM runs FINAL WHERE run_id = {run_id:String}",
+                            {"run_id": run_id}).rows
         return RunState.from_dict(orjson.loads(rows[0][0])) if rows else None
 
     return open_runs, lookup_run
+
+
+def _insert_action(client: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """The owner's side of :class:`loopwatch.store.remote_sink.ServiceSink`."""
+    lock = threading.Lock()
+
+    def insert(body: dict[str, Any]) -> dict[str, Any]:
+        table = str(body["table"])
+        if table not in INSERTABLE:
+            raise ValueError(f"table {table!r} does not take remote inserts")
+        data = str(body["rows"]).encode()
+        with lock:
+            client.raw_insert(table, insert_block=data, fmt="JSONEachRow",
+                              settings={"date_time_input_format": "best_effort"})
+        return {"inserted": data.count(b"\n") + 1}
+
+    return insert
+
+
+INSERTABLE = frozenset({"events", "llm_calls", "tool_calls", "runs", "labels", "annotations",
+                        "dead_letters"})
+
+
+def run_worker(settings: Settings, loglevel: str = "warning",
+               drain_timeout_s: float = 60.0) -> None:
+    """An extra processor process: the same faust app in the same consumer group, writing
+    through the store owner (embedded) or straight to the ClickHouse server."""
+    stop_requested = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop_requested.set())
+    sink: Sink
+    reader: Reader
+    if settings.clickhouse_url:
+        migrate(settings)
+        sink, reader = ClickHouseSink(connect(settings)), DirectReader(connect(settings))
+        bootstrap = settings.kafka_bootstrap
+    else:
+        announced = running_service(settings)
+        if announced is None:
+            raise RuntimeError(f"no `loopwatch up` owns the store in {settings.data_dir}; "
+                               "start it first (extra workers write through it)")
+        service = ServiceReader(announced["url"])
+        sink, reader = ServiceSink(service), service
+        bootstrap = settings.kafka_bootstrap or announced["kafka_bootstrap"]
+    if not bootstrap:
+        raise RuntimeError("set LOOPWATCH_KAFKA_BOOTSTRAP for a worker against a ClickHouse server")
+    open_runs, lookup_run = _store_callbacks(reader)
+    processor = Processor(settings, bootstrap, sink, open_runs=open_runs, lookup_run=lookup_run)
+    worker = DrainingWorker(processor, bootstrap, drain_timeout_s, stop_requested,
+                            loglevel=loglevel, quiet=True,
+                            logfile=str(settings.data_dir / "logs" / f"worker-{os.getpid()}.log"))
+    with contextlib.suppress(SystemExit):
+        worker.execute_from_commandline()
 
 
 def _report_status(status: Callable[[], dict[str, Any]],
@@ -147,7 +201,7 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
             bootstrap = broker.bootstrap
         ensure_topics(bootstrap, settings)
         writer = migrate(settings)
-        open_runs, lookup_run = _store_callbacks(settings)
+        open_runs, lookup_run = _store_callbacks(DirectReader(connect(settings)))
         processor = Processor(settings, bootstrap, ClickHouseSink(writer),
                               open_runs=open_runs, lookup_run=lookup_run)
         store = settings.clickhouse_url or f"chdb://{settings.chdb_path}"
@@ -169,6 +223,7 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
                 "replayed": replay_pending(admin_client, bootstrap, settings)},
             "reprocess": lambda body: reprocess_with(
                 admin_client, settings, datetime.fromisoformat(body["since"])),
+            "insert": _insert_action(connect(settings)),
         }
         service = StoreService(connect(settings), status, settings.service_file,
                                settings.service_host, settings.service_port, actions)

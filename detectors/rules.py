@@ -70,8 +70,11 @@ class Rule:
     op: str = ">"
     threshold: float | None = None
     factor: float | None = None
-    kind: Literal["threshold", "proportion"] = "threshold"
+    kind: Literal["threshold", "proportion", "anomaly"] = "threshold"
     alpha: float = 0.001
+    detector: str = "generic"
+    score_threshold: float = 0.5
+    recent_points: int = 3
     min_samples: int = 1
     window: timedelta = timedelta(0)
     baseline: timedelta = timedelta(0)
@@ -155,7 +158,12 @@ def _rule(raw: dict[str, Any]) -> Rule:
         raise ValueError(f"rule {name}: severity must be one of {SEVERITIES}")
     if rule.op not in OPS:
         raise ValueError(f"rule {name}: op must be one of {sorted(OPS)}")
-    if rule.kind == "threshold" and (rule.threshold is None) == (rule.factor is None):
+    if rule.kind == "anomaly":
+        from detectors.anomaly.registry import DETECTORS
+
+        if rule.detector not in DETECTORS:
+            raise ValueError(f"rule {name}: unknown detector {rule.detector!r}")
+    elif rule.kind == "threshold" and (rule.threshold is None) == (rule.factor is None):
         raise ValueError(f"rule {name}: give exactly one of threshold or factor")
     return rule
 
@@ -184,6 +192,8 @@ def with_overrides(rules: Mapping[str, Rule], extra: Iterable[dict[str, Any]]) -
 def evaluate(rule: Rule, rows: Iterable[Mapping[str, Any]],
              budgets: Mapping[str, float] | None = None) -> list[Finding]:
     """Apply the rule's condition to its query rows (per-label overrides included)."""
+    if rule.kind == "anomaly":
+        return _evaluate_series(rule, rows)
     findings = []
     for row in rows:
         labels = {name: str(row.get(name, "")) for name in rule.labels}
@@ -224,3 +234,36 @@ def _evaluate_row(rule: Rule, labels: dict[str, str], row: Mapping[str, Any],
     outcome: FindingState = "active" if OPS[rule.op](value, limit) else "inactive"
     return Finding(rule, labels, value, outcome, samples, baseline, f"{rule.op} {limit:g}",
                    {"limit": limit})
+
+
+def _evaluate_series(rule: Rule, rows: Iterable[Mapping[str, Any]]) -> list[Finding]:
+    """An online detector over each label set's series (rows ``t``, ``value`` in time
+    order): every point is scored on what came before it, then learned. The finding is
+    active when one of the last ``recent_points`` scored at least ``score_threshold``."""
+    from detectors.anomaly.registry import DETECTORS
+
+    series: dict[tuple[str, ...], list[Mapping[str, Any]]] = {}
+    for row in rows:
+        key = tuple(str(row.get(name, "")) for name in rule.labels)
+        series.setdefault(key, []).append(row)
+    findings = []
+    for key, points in series.items():
+        labels = dict(zip(rule.labels, key, strict=True))
+        effective = rule.for_labels(labels)
+        detector = DETECTORS[effective.detector]()
+        scores = []
+        for point in points:
+            value = float(point["value"] or 0.0)
+            scores.append(detector.score_one(value, point.get("t")))
+            detector.learn_one(value, point.get("t"))
+        last = float(points[-1]["value"] or 0.0)
+        if len(points) < effective.min_samples:
+            findings.append(Finding(effective, labels, last, "too_few_samples", len(points),
+                                    detail=f"{len(points)} points < {effective.min_samples}"))
+            continue
+        recent = max(scores[-effective.recent_points:])
+        state: FindingState = "active" if recent >= effective.score_threshold else "inactive"
+        findings.append(Finding(effective, labels, last, state, len(points),
+                                detail=f"{effective.detector} score {recent:.2f}",
+                                extra={"score": recent}))
+    return findings

@@ -349,3 +349,50 @@ def test_open_alerts_survive_an_engine_restart(fleet, local_store):
     assert again == []  # still firing, not fired twice
     assert any(a.labels.get("agent") == bad and a.state == "firing"
                for a in restarted.book.open.values())
+
+
+def test_cost_per_minute_anomaly_uses_the_online_detector(fleet, local_store):
+    bad, good = agents()
+    for minutes in range(3, 200):
+        for agent in (bad, good):
+            fleet.add(LlmCall(ts=NOW - timedelta(minutes=minutes), run_id="r", agent=agent,
+                              input_tokens=1000 + 10 * (minutes % 7)))
+    for minutes in (1, 2):  # the spike: the last two full minutes
+        fleet.add(LlmCall(ts=NOW - timedelta(minutes=minutes), run_id="r", agent=bad,
+                          input_tokens=60_000))
+        fleet.add(LlmCall(ts=NOW - timedelta(minutes=minutes), run_id="r", agent=good,
+                          input_tokens=1000))
+    fleet.flush()
+    detector = engine(local_store)
+    detector.evaluate(event_now=NOW)
+    spike = finding(detector, "cost_per_minute_anomaly", bad)
+    assert spike.active and spike.extra["score"] >= 0.5
+    assert spike.value == pytest.approx(60_000 * 3e-6)
+    assert not finding(detector, "cost_per_minute_anomaly", good).active
+
+
+def test_completion_length_shift_is_a_ks_test(fleet, local_store):
+    import random
+
+    bad, good = agents()
+    rng = random.Random(3)
+    for index in range(600):
+        when = NOW - timedelta(minutes=600 - index)
+        for agent in (bad, good):
+            shifted = agent == bad and index >= 520
+            tokens = int(rng.gammavariate(4, 150 if shifted else 60))
+            fleet.add(LlmCall(ts=when, run_id="r", agent=agent, model="gpt-4o",
+                              output_tokens=max(1, tokens)))
+    fleet.flush()
+    detector = engine(local_store)
+    detector.evaluate(event_now=NOW)
+    assert finding(detector, "completion_length_shift", bad).active
+    assert not finding(detector, "completion_length_shift", good).active
+
+
+def test_readme_lists_every_rule():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    for name in load_rules():
+        assert f"| `{name}` |" in readme, name

@@ -1,0 +1,26 @@
+"""Online statistical anomaly detectors behind one river-style interface.
+
+Every detector has ``score_one(x, t)`` (a score in ``[0, 1]`` from what it learned before
+``x``; changes nothing) and ``learn_one(x, t)``; call them in that order on each point.
+One module per detector, each class saying which signal it suits:
+
+=====================  =============================================================
+``robust_z``           spikes against a rolling median/MAD (:mod:`.robust_z`)
+``ewma``               sustained level shifts, robust to lone spikes (:mod:`.ewma`)
+``cusum``              small persistent drifts either way (:mod:`.cusum`)
+``proportion``         rates from small counts, k of n (:mod:`.proportion`)
+``seasonal``           same hour of the week or day (:mod:`.seasonal`)
+``ks``                 distribution shift, e.g. completion lengths (:mod:`.ks`)
+``generic``            the default for per-minute metric series (:mod:`.generic`)
+``windowed_gaussian``  NAB's baseline, for comparison only (:mod:`.gaussian`)
+=====================  =============================================================
+
+:mod:`.registry` maps these names to factories; :mod:`.csvscore` scores a CSV file;
+``python -m bench.nab_score`` scores them all on the Numenta Anomaly Benchmark.
+"""
+
+from detectors.anomaly.base import AnomalyDetector, score_series
+from detectors.anomaly.csvscore import score_csv
+from detectors.anomaly.registry import DEFAULT_DETECTOR, DETECTORS
+
+__all__ = ["DEFAULT_DETECTOR", "DETECTORS", "AnomalyDetector", "score_csv", "score_series"]

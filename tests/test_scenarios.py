@@ -24,7 +24,7 @@ def test_every_scenario_names_rules_that_route_to_its_playbook():
 
 def test_reduced_scorecard_detects_every_scenario_without_false_pages(local_store):
     settings, client = local_store
-    card = score(client, settings, seed=11, history_days=1, baseline_hours=3,
+    card = score(client, settings, seed=11, history_days=0.5, baseline_hours=2,
                  scenario_names=REDUCED)
     result = card.as_json()
     assert result["recall"] == 1.0, result

@@ -17,7 +17,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import faust
@@ -35,7 +35,7 @@ from loopwatch.store.service import StoreService
 from loopwatch.topics import LagProbe, ensure_topics
 from processors.app import Processor
 from processors.runs import RunState
-from processors.sink import ClickHouseSink, Sink
+from processors.sink import ClickHouseSink, RowBatch, Sink
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +181,32 @@ def _report_status(status: Callable[[], dict[str, Any]],
     threading.Thread(target=loop, name="status", daemon=True).start()
 
 
+def _sample_gauges(settings: Settings, bootstrap: str, writer: Any,
+                   status: Callable[[], dict[str, Any]], stop: threading.Event,
+                   every_s: float = 15.0) -> None:
+    """Write consumer lag and the processors' counters to ``pipeline_gauges``."""
+
+    def loop() -> None:
+        probe: LagProbe | None = None
+        while not stop.wait(every_s):
+            try:
+                probe = probe or LagProbe(bootstrap, settings.consumer_group,
+                                          settings.events_topic)
+                current = status()
+                values = {"consumer_lag": float(probe.lag()),
+                          "events_processed": float(current["counters"]["events"]),
+                          "dead_letters": float(current["counters"]["dead_letters"]),
+                          "store_retries": float(current["sink_failures"])}
+                now = datetime.now(UTC)
+                ClickHouseSink(writer).write_batch(RowBatch({"pipeline_gauges": [
+                    {"ts": now, "name": name, "value": value} for name, value in values.items()
+                ]}))
+            except Exception as exc:
+                log.warning("could not sample pipeline gauges: %s", exc)
+
+    threading.Thread(target=loop, name="gauges", daemon=True).start()
+
+
 def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None = None,
            on_status: Callable[[dict[str, Any]], None] | None = None,
            loglevel: str = "warning", drain_timeout_s: float = 60.0) -> None:
@@ -235,6 +261,7 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
             on_ready({**announcement, "url": url})
         if on_status is not None:
             _report_status(status, on_status, every_s=5.0)
+        _sample_gauges(settings, bootstrap, connect(settings), status, detectors_stop)
         worker = DrainingWorker(processor, bootstrap, drain_timeout_s, stop_requested,
                                 loglevel=loglevel, quiet=True,
                                 logfile=str(settings.data_dir / "logs" / "worker.log"))

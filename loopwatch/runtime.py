@@ -159,7 +159,7 @@ def run_worker(settings: Settings, loglevel: str = "warning",
     open_runs, lookup_run = _store_callbacks(reader)
     processor = Processor(settings, bootstrap, sink, open_runs=open_runs, lookup_run=lookup_run)
     worker = DrainingWorker(processor, bootstrap, drain_timeout_s, stop_requested,
-                            loglevel=loglevel, quiet=True,
+                            loglevel=loglevel, quiet=True, redirect_stdouts=False,
                             logfile=str(settings.data_dir / "logs" / f"worker-{os.getpid()}.log"))
     with contextlib.suppress(SystemExit):
         worker.execute_from_commandline()
@@ -263,7 +263,7 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
             _report_status(status, on_status, every_s=5.0)
         _sample_gauges(settings, bootstrap, connect(settings), status, detectors_stop)
         worker = DrainingWorker(processor, bootstrap, drain_timeout_s, stop_requested,
-                                loglevel=loglevel, quiet=True,
+                                loglevel=loglevel, quiet=True, redirect_stdouts=False,
                                 logfile=str(settings.data_dir / "logs" / "worker.log"))
         with contextlib.suppress(SystemExit):
             worker.execute_from_commandline()

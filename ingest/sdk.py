@@ -25,7 +25,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
@@ -135,6 +135,50 @@ class Emitter:
     def emit_raw(self, lines: list[bytes]) -> None:
         """Queue already-encoded events (used by ``dlq replay`` and importers)."""
         self._enqueue(lines)
+
+    def send_and_wait(self, events: Sequence[EventBase | bytes], timeout_s: float = 10.0) -> None:
+        """Send now from the caller's thread; return once the broker acknowledged all.
+
+        For callers that must not answer before the data is durable (the OTLP receiver
+        answers 200 only after this returns). ``bytes`` are already-encoded JSON objects
+        with a ``run_id``. Events are grouped by partition into envelopes as
+        :meth:`emit` does. Nothing is spooled: on failure this raises (``KafkaError``,
+        or ``KafkaTimeoutError`` after ``timeout_s``) and the caller, who still holds the
+        data, decides; resending is harmless as ``event_id`` deduplicates.
+        """
+        with self.__dict__.setdefault("_connect_lock", threading.Lock()):
+            if not self._connect():
+                raise KafkaError(f"broker {self.bootstrap} unavailable or topic "
+                                 f"{self.topic} has no partitions")
+        producer, partitions = self._producer, self._partitions
+        assert producer is not None and partitions is not None
+        groups: dict[int, list[bytes]] = defaultdict(list)
+        keys: dict[int, bytes] = {}
+        partition_of: dict[str, int] = {}  # murmur2 is pure Python: once per run
+        for event in events:
+            if isinstance(event, bytes):
+                line, run_id = event, str(orjson.loads(event).get("run_id") or "")
+            else:  # pydantic's own JSON: the same bytes as emit() makes, 2x faster
+                line = event.__pydantic_serializer__.to_json(event, exclude_none=True)
+                run_id = event.run_id
+            partition = partition_of.get(run_id)
+            if partition is None:
+                partition = partition_of[run_id] = partition_for(run_id, partitions)
+            groups[partition].append(line)
+            keys.setdefault(partition, run_id.encode())
+        futures = []
+        for partition, group in groups.items():
+            for chunk in self._chunks(group):
+                value = chunk[0] if len(chunk) == 1 else (
+                    b'{"envelope_version":' + str(ENVELOPE_VERSION).encode()
+                    + b',"events":[' + b",".join(chunk) + b"]}")
+                futures.append((len(chunk), producer.send(
+                    self.topic, value=value, key=keys[partition], partition=partition)))
+        deadline = time.monotonic() + timeout_s
+        for count, future in futures:
+            future.get(timeout=max(0.001, deadline - time.monotonic()))
+            self.stats.sent += count
+            self.stats.messages += 1
 
     def _enqueue(self, lines: list[bytes]) -> None:
         with self._outstanding_lock:

@@ -51,7 +51,11 @@ def print_table(columns: list[str], rows: list[list[Any]], title: str | None = N
 
 
 @app.command()
-def up(data_dir: DataDir = None) -> None:
+def up(
+    data_dir: DataDir = None,
+    otlp_port: Annotated[int | None, typer.Option(
+        help="OTLP/HTTP receiver port [env LOOPWATCH_OTLP_PORT, default 4318]")] = None,
+) -> None:
     """Run broker (unless configured), processors and the store service until Ctrl-C."""
     from loopwatch.runtime import run_up
 
@@ -61,6 +65,8 @@ def up(data_dir: DataDir = None) -> None:
         console.print(f"kafka bootstrap: [bold]{info['kafka_bootstrap']}[/bold]  "
                       f"topic: {info['events_topic']}")
         console.print(f"store: [bold]{info['store']}[/bold]  service: {info['url']}")
+        if info.get("otlp_url"):
+            console.print(f"OTLP/HTTP: {info['otlp_url']}/v1/traces")
         console.print("processing; Ctrl-C drains and stops")
 
     def progress(status: dict[str, Any]) -> None:
@@ -71,7 +77,7 @@ def up(data_dir: DataDir = None) -> None:
             f"revised {counters['runs_revised']})  dead letters {counters['dead_letters']}  "
             f"duplicates {counters['duplicates']}  store retries {status['sink_failures']}")
 
-    run_up(settings, on_ready=ready, on_status=progress)
+    run_up(settings, on_ready=ready, on_status=progress, otlp_port=otlp_port)
 
 
 @app.command()
@@ -426,6 +432,16 @@ def schema(
         sys.stdout.write(render().decode())
     else:
         output.write_bytes(render())
+
+
+def _register_parts() -> None:
+    """Commands that live with their parts (ingest, dashboards) join the main CLI here."""
+    from ingest.cli import register as register_ingest
+
+    register_ingest(app)
+
+
+_register_parts()
 
 
 def main() -> None:

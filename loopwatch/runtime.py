@@ -24,6 +24,8 @@ import faust
 import orjson
 
 from detectors.service import start_detectors
+from ingest.otlp.server import OtlpReceiver
+from ingest.otlp.settings import load_otlp_settings
 from loopwatch.config import Settings
 from loopwatch.deadletters import replay_pending
 from loopwatch.embedded.broker import EmbeddedBroker
@@ -207,9 +209,24 @@ def _sample_gauges(settings: Settings, bootstrap: str, writer: Any,
     threading.Thread(target=loop, name="gauges", daemon=True).start()
 
 
+def _start_otlp(settings: Settings, bootstrap: str, port: int | None) -> OtlpReceiver | None:
+    """The OTLP/HTTP receiver, unless its port is taken (then ``up`` runs without it)."""
+    limits = load_otlp_settings(port=port)
+    try:
+        receiver = OtlpReceiver(settings, bootstrap, limits.host, limits.port, limits.token,
+                                limits=limits)
+    except OSError as exc:
+        log.warning("OTLP receiver not started: %s:%d is taken (%s); set "
+                    "LOOPWATCH_OTLP_PORT or --otlp-port", limits.host, limits.port, exc)
+        return None
+    receiver.start()
+    return receiver
+
+
 def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None = None,
            on_status: Callable[[dict[str, Any]], None] | None = None,
-           loglevel: str = "warning", drain_timeout_s: float = 60.0) -> None:
+           loglevel: str = "warning", drain_timeout_s: float = 60.0,
+           otlp_port: int | None = None) -> None:
     """Run until SIGINT/SIGTERM. ``on_ready`` gets the announcement (bootstrap, store, url);
     ``on_status`` gets the pipeline's counters every few seconds while they change."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -218,6 +235,7 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
         signal.signal(signum, lambda *_: stop_requested.set())
     broker: EmbeddedBroker | None = None
     service: StoreService | None = None
+    receiver: OtlpReceiver | None = None
     detectors_stop = threading.Event()
     try:
         if settings.kafka_bootstrap:
@@ -227,6 +245,7 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
             bootstrap = broker.bootstrap
         ensure_topics(bootstrap, settings)
         writer = migrate(settings)
+        receiver = _start_otlp(settings, bootstrap, otlp_port)
         open_runs, lookup_run = _store_callbacks(DirectReader(connect(settings)))
         processor = Processor(settings, bootstrap, ClickHouseSink(writer),
                               open_runs=open_runs, lookup_run=lookup_run)
@@ -254,6 +273,7 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
         service = StoreService(connect(settings), status, settings.service_file,
                                settings.service_host, settings.service_port, actions)
         announcement = {"kafka_bootstrap": bootstrap, "store": store,
+                        "otlp_url": receiver.url if receiver else None,
                         "events_topic": settings.events_topic,
                         "embedded_broker": broker is not None}
         url = service.start(announcement)
@@ -269,6 +289,8 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
             worker.execute_from_commandline()
     finally:
         detectors_stop.set()
+        if receiver is not None:
+            receiver.stop()
         if service is not None:
             service.stop()
         if broker is not None:

@@ -1,0 +1,196 @@
+"""``loopwatch ingest``: the OTLP receiver standalone, and file imports.
+
+Wired into the main CLI with ``register(app)``; also runnable on its own as
+``python -m ingest.cli ingest ...``. Settings are read here, once, like the main CLI.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+from loopwatch.config import Settings, load_settings
+
+console = Console(stderr=True, soft_wrap=True)
+
+DataDir = Annotated[Path | None, typer.Option("--data-dir", help="state directory "
+                                              "[env LOOPWATCH_DATA_DIR]")]
+WaitTimeout = Annotated[float, typer.Option(
+    "--wait-timeout", help="seconds to wait for everything to be stored")]
+
+
+def _settings(data_dir: Path | None) -> Settings:
+    try:
+        return load_settings(data_dir=data_dir)
+    except ValidationError as exc:
+        for error in exc.errors():
+            where = ".".join(str(part) for part in error["loc"])
+            console.print(f"[red]invalid setting {where}:[/red] {error['msg']}")
+        raise typer.Exit(2) from None
+
+
+def serve(
+    host: Annotated[str | None, typer.Option(help="listen address [env LOOPWATCH_OTLP_HOST]")]
+    = None,
+    port: Annotated[int | None, typer.Option(help="port [env LOOPWATCH_OTLP_PORT]")] = None,
+    token: Annotated[str | None, typer.Option(
+        help="require this bearer token [env LOOPWATCH_OTLP_TOKEN]")] = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Run the OTLP/HTTP trace receiver against the configured Kafka until Ctrl-C."""
+    from ingest.otlp.server import OtlpReceiver
+    from ingest.otlp.settings import load_otlp_settings
+    from loopwatch.store.reader import running_service
+    from loopwatch.topics import ensure_topics
+
+    settings = _settings(data_dir)
+    try:
+        limits = load_otlp_settings(host=host, port=port, token=token)
+    except ValidationError as exc:
+        console.print(f"[red]invalid OTLP setting:[/red] {exc.errors()[0]['msg']}")
+        raise typer.Exit(2) from None
+    bootstrap = settings.kafka_bootstrap
+    if bootstrap is None:
+        announced = running_service(settings)
+        if announced is None:
+            console.print("[red]no Kafka configured[/red]: set LOOPWATCH_KAFKA_BOOTSTRAP, or "
+                          "run `loopwatch up` (which runs a receiver itself)")
+            raise typer.Exit(2)
+        bootstrap = str(announced["kafka_bootstrap"])
+    ensure_topics(bootstrap, settings)
+    receiver = OtlpReceiver(settings, bootstrap, limits.host, limits.port, limits.token,
+                            limits=limits)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    url = receiver.start()
+    console.print(f"OTLP/HTTP receiver: [bold]{url}/v1/traces[/bold] -> kafka {bootstrap} "
+                  f"topic {settings.events_topic}; Ctrl-C stops")
+    try:
+        stop.wait()
+    finally:
+        receiver.stop()
+
+
+def _progress(total: int, enabled: bool) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                    TimeRemainingColumn(), console=console, transient=True,
+                    disable=not enabled)
+
+
+def _run_import(settings: Settings, path: Path, records: Any, wait_timeout: float) -> None:
+    from ingest.importers.delivery import Delivery, ImportFailed, deliver, open_target
+    from ingest.importers.records import Bad
+
+    def report(bad: Bad) -> None:
+        console.print(f"[yellow]skipped {bad.position}:[/yellow] {bad.reason}")
+
+    size = path.stat().st_size
+    show = console.is_terminal
+    try:
+        with open_target(settings, console.print) as target:
+            delivery = Delivery(settings, target)
+            try:
+                with _progress(size, show) as progress:
+                    task = progress.add_task(f"sending {path.name}", total=size)
+                    summary = deliver(records, delivery, report,
+                                      lambda offset: progress.update(task, completed=offset))
+                with Progress(console=console, transient=True, disable=not show) as progress:
+                    task = progress.add_task("waiting until stored", total=len(delivery.ids))
+                    stored, dead = delivery.wait_stored(
+                        wait_timeout, lambda done: progress.update(task, completed=done))
+            finally:
+                delivery.close()
+    except ImportFailed as exc:
+        console.print(f"[red]import failed:[/red] {exc}")
+        raise typer.Exit(1) from None
+    console.print(
+        f"imported {path}: {summary.records} records, {len(delivery.ids)} events "
+        f"({stored} stored, {dead} dead-lettered), {len(summary.bad)} bad records skipped; "
+        f"into {target.how}")
+
+
+def file(
+    path: Annotated[Path, typer.Argument(help="JSONL: one event (or envelope) per line",
+                                         exists=True, dir_okay=False)],
+    data_dir: DataDir = None,
+    wait_timeout: WaitTimeout = 600.0,
+) -> None:
+    """Import JSONL in the event contract; exits once every event is stored."""
+    from ingest.importers.jsonl import read_jsonl
+    from ingest.importers.records import file_digest
+
+    settings = _settings(data_dir)
+    _run_import(settings, path, read_jsonl(path, file_digest(path)), wait_timeout)
+
+
+def transcript(
+    path: Annotated[Path, typer.Argument(help="a JSON list of runs, or JSONL (one run each)",
+                                         exists=True, dir_okay=False)],
+    format: Annotated[str, typer.Option("--format", help="transcript format")]
+    = "openai-chat",
+    agent: Annotated[str, typer.Option(help="agent name for every run")] = "transcript-import",
+    messages_key: Annotated[str, typer.Option(help="key of a run's message list")]
+    = "messages",
+    run_id_key: Annotated[str | None, typer.Option(
+        help="key of the run id (default: hash of file and record index)")] = None,
+    task_id_key: Annotated[str | None, typer.Option(
+        help="key of a task id (kept as the task_id extra)")] = None,
+    outcome_key: Annotated[str | None, typer.Option(
+        help="key of the outcome: bool, reward number or word (default: first of "
+             "outcome, success, reward, resolved)")] = None,
+    reward_threshold: Annotated[float, typer.Option(
+        help="a numeric reward at or above this is correct, below it wrong")] = 1.0,
+    task_type: Annotated[str, typer.Option(help="task_type for every run")] = "",
+    model: Annotated[str, typer.Option(help="model (default: the run's `model` field)")]
+    = "",
+    data_dir: DataDir = None,
+    wait_timeout: WaitTimeout = 600.0,
+) -> None:
+    """Import recorded agent transcripts; exits once every event is stored."""
+    from ingest.importers.records import file_digest
+    from ingest.importers.transcripts import TranscriptOptions, read_transcripts
+
+    if format != "openai-chat":
+        console.print(f"[red]unknown --format {format!r}[/red]; supported: openai-chat")
+        raise typer.Exit(2)
+    settings = _settings(data_dir)
+    options = TranscriptOptions(
+        agent=agent, messages_key=messages_key, run_id_key=run_id_key,
+        task_id_key=task_id_key, outcome_key=outcome_key, reward_threshold=reward_threshold,
+        task_type=task_type, model=model)
+    records = read_transcripts(path, file_digest(path), options, datetime.now(UTC))
+    _run_import(settings, path, records, wait_timeout)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``ingest`` sub-app (serve, file, transcript) to the main CLI."""
+    ingest_app = typer.Typer(no_args_is_help=True,
+                             help="Bring data in: OTLP/HTTP receiver and file imports.")
+    ingest_app.command("serve")(serve)
+    ingest_app.command("file")(file)
+    ingest_app.command("transcript")(transcript)
+    app.add_typer(ingest_app, name="ingest")
+
+
+def main() -> None:
+    app = typer.Typer(no_args_is_help=True, add_completion=False)
+    register(app)
+
+    @app.callback()
+    def _root() -> None:
+        """loopwatch ingest, standalone."""
+
+    app()
+
+
+if __name__ == "__main__":
+    main()

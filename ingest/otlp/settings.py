@@ -1,0 +1,41 @@
+"""Settings of the OTLP receiver, read once at the edge like :mod:`loopwatch.config`.
+
+Kept apart from :class:`loopwatch.config.Settings` for now (env prefix
+``LOOPWATCH_OTLP_``, so ``LOOPWATCH_OTLP_PORT`` works either way if they move there).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class OtlpSettings(BaseSettings):
+    """Where the receiver listens and how much work it accepts before it pushes back."""
+
+    model_config = SettingsConfigDict(env_prefix="LOOPWATCH_OTLP_", frozen=True, extra="ignore")
+
+    host: str = Field("127.0.0.1", description="loopback by default: no auth is the default")
+    port: int = Field(4318, ge=0, le=65535, description="0 = a free port")
+    token: str | None = Field(None, description="require `Authorization: Bearer <token>`")
+    max_body_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024, description="per request, after decompression (413 above)")
+    max_inflight: int = Field(
+        4, ge=1, description="requests decoded/published at once; more get 429 + Retry-After")
+    max_connections: int = Field(
+        128, ge=1, description="open connections (one thread each); more get 503 at once")
+    publish_timeout_s: float = Field(
+        10.0, gt=0, description="wait this long for the broker's ack, then 503 + Retry-After")
+    retry_after_s: int = Field(2, ge=1, description="the Retry-After we send with 429/503")
+
+
+def load_otlp_settings(**overrides: Any) -> OtlpSettings:
+    """Environment (or ``LOOPWATCH_CONFIG_FILE``) plus explicit overrides (None = not given)."""
+    given = {key: value for key, value in overrides.items() if value is not None}
+    config_file = os.environ.get("LOOPWATCH_CONFIG_FILE")
+    if config_file:
+        return OtlpSettings(_env_file=config_file, **given)  # type: ignore[call-arg]
+    return OtlpSettings(**given)

@@ -436,9 +436,11 @@ def schema(
 
 def _register_parts() -> None:
     """Commands that live with their parts (ingest, dashboards) join the main CLI here."""
+    from dashboards.cli import register as register_dashboards
     from ingest.cli import register as register_ingest
 
     register_ingest(app)
+    register_dashboards(app)
 
 
 _register_parts()

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from dashboards.web.server import serve_in_thread
 from ingest.sdk import Emitter
 from loopwatch.config import Settings
 from loopwatch.report import fleet_report
@@ -67,6 +68,9 @@ def run_demo(settings: Settings, duration_s: float, rate: float, seed: int,
     if progress:
         console.print(f"starting the embedded stack in {data_dir} ...")
     with up:
+        web_url, stop_web = serve_in_thread(up.reader)
+        if progress:
+            console.print(f"live dashboards: [bold]{web_url}[/bold]  (open it while the demo runs)")
         emitter = Emitter(up.info["kafka_bootstrap"], up.info["events_topic"],
                           data_dir / "spool")
         simulator = FleetSimulator(emitter, seed=seed)
@@ -89,6 +93,8 @@ def run_demo(settings: Settings, duration_s: float, rate: float, seed: int,
             time.sleep(settings.detect_interval_s * 2)  # one more detector pass on the end
         report = fleet_report(up.reader)
         report["alerts"] = up.reader.query(ALERTS_SQL).records()
+        stop_web()
+    report["dashboards_url"] = web_url
     report["store"] = f"chdb://{data_dir / 'chdb'}"
     report["emitted_events"] = emitter.stats.sent
     report["planned_outcomes"] = {agent: dict(counts)
@@ -143,3 +149,4 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     data_dir = report["store"].removeprefix("chdb://").removesuffix("/chdb")
     console.print(f"data: {report['store']}")
     console.print(f"investigate: loopwatch investigate top_cost_runs --data-dir {data_dir}")
+    console.print(f"dashboards:  loopwatch serve --data-dir {data_dir}")

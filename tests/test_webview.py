@@ -1,0 +1,263 @@
+"""The built-in web view: its JSON API on the seeded in-process store, its HTTP server,
+and the page itself in headless Chromium.
+
+The browser is Debian's ``/usr/bin/chromium`` driven by ``/usr/bin/chromedriver``
+through Selenium (nothing is downloaded at test time). The browser test asserts that
+every panel of each tier loads without error, that each chart drew a canvas with data
+points, that the firing alerts carry their playbooks, that the run drill-down shows the
+loop, and that the console stayed free of errors; it saves screenshots under the
+test's temporary directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from dashboards.panels import OUTCOME_COLORS, panels_of
+from dashboards.sample import ensure_seeded
+from dashboards.web.api import BadRequest, NotFound, WebApi
+from dashboards.web.server import serve_in_thread
+from loopwatch.store.clickhouse import QueryResult
+from loopwatch.store.reader import DirectReader
+from loopwatch.store.service import dumps
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+
+
+@pytest.fixture(scope="module")
+def seeded(local_store):
+    settings, client = local_store
+    return DirectReader(client), ensure_seeded(client, settings)
+
+
+@pytest.fixture(scope="module")
+def api(seeded):
+    return WebApi(seeded[0])
+
+
+@pytest.fixture(scope="module")
+def server(seeded):
+    url, stop = serve_in_thread(seeded[0])
+    yield url
+    stop()
+
+
+# --- the JSON the page draws from -------------------------------------------------------
+
+
+def test_time_series_come_back_pivoted_like_the_plugin_does(api):
+    body = api.panel("outcome_mix", {})
+    assert body["viz"] == "bars" and body["x"] == sorted(body["x"]) and body["interval_s"] == 60
+    names = {series["name"] for series in body["series"]}
+    assert names <= set(OUTCOME_COLORS) and "success" in names
+    for series in body["series"]:
+        assert len(series["values"]) == len(body["x"])
+        assert series["color"] == OUTCOME_COLORS[series["name"]]
+    split = api.panel("llm_errors_by_provider", {})
+    assert {s["name"] for s in split["series"]} >= {
+        "error rate (excl. 429) · anthropic", "429 rate · openai"}
+
+
+def test_parameters_are_checked_and_values_stay_data(api):
+    with pytest.raises(BadRequest):
+        api.panel("outcome_mix", {"from": ["yesterday"]})
+    with pytest.raises(BadRequest):
+        api.panel("outcome_mix", {"from": ["2000"], "to": ["1000"]})
+    with pytest.raises(BadRequest):
+        api.panel("run_timeline", {})
+    with pytest.raises(NotFound):
+        api.panel("no_such_panel", {})
+    assert api.panel("problem_runs", {"agent": ["x' OR 1=1 --"]})["rows"] == []
+    only = api.panel("problem_runs", {"agent": ["support-bot"]})["rows"]
+    assert only and {row[1] for row in only} == {"support-bot"}
+
+
+def test_alerts_come_with_their_playbooks(api, seeded):
+    alerts = {alert["rule"]: alert for alert in api.alerts({})["alerts"]}
+    loop = alerts["loop_detected"]
+    assert loop["severity"] == "critical" and loop["run_id"] == seeded[1]
+    assert loop["playbook_detail"]["title"] and loop["playbook_detail"]["steps"]
+
+
+def test_run_drilldown_shows_the_loop(api, seeded):
+    body = api.run(seeded[1], {})
+    summary = body["panels"]["run_summary"]
+    assert dict(zip(summary["columns"], summary["rows"][0], strict=True))["outcome"] == "looped"
+    repeated = body["panels"]["run_repeated_args"]
+    assert repeated["rows"][0][2] == 3
+    timeline = body["panels"]["run_timeline"]
+    assert {row[1] for row in timeline["rows"]} >= {"run.start", "llm.call", "tool.call", "run.end"}
+    with pytest.raises(NotFound):
+        api.run("no-such-run", {})
+
+
+def get(url: str) -> tuple[int, dict[str, str], bytes]:
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+    opener = urllib.request.build_opener(NoRedirect)
+    try:
+        with opener.open(url, timeout=30) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def test_http_endpoints(server, seeded):
+    status, headers, body = get(f"{server}api/panels")
+    assert status == 200 and "default-src 'self'" in headers["Content-Security-Policy"]
+    catalog = json.loads(body)
+    assert [tier["id"] for tier in catalog["tiers"]] == ["realtime", "trends", "drilldown"]
+    status, _, body = get(f"{server}api/panel/cost_per_minute")
+    assert status == 200 and json.loads(body)["series"]
+    assert get(f"{server}api/panel/nope")[0] == 404
+    assert get(f"{server}api/panel/outcome_mix?from=abc")[0] == 400
+    assert get(f"{server}static/../server.py")[0] == 404
+    assert get(f"{server}static/%2e%2e/server.py")[0] == 404
+    status, headers, _ = get(f"{server}runs/{seeded[1]}")
+    assert status == 302 and headers["Location"] == f"/#/run/{seeded[1]}"
+    status, headers, body = get(f"{server}static/vendor/uplot/uPlot.iife.min.js")
+    assert status == 200 and body.startswith(b"/*! https://github.com/leeoniya/uPlot (v1.6.32)")
+
+
+# --- the page in a real browser ------------------------------------------------------------
+
+
+@pytest.fixture()
+def browser(tmp_path):
+    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
+        pytest.fail("the browser test needs Debian's chromium and chromium-driver "
+                    "(apt-get install chromium chromium-driver)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    os.environ["SE_OFFLINE"] = "true"  # Selenium Manager must never download anything
+    options = Options()
+    options.binary_location = str(CHROMIUM)
+    for argument in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                     "--no-first-run", "--disable-background-networking",
+                     "--disable-component-update", "--disable-sync",
+                     f"--user-data-dir={tmp_path / 'chromium-profile'}",
+                     "--window-size=1440,900"):
+        options.add_argument(argument)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()
+
+
+def settle(driver: Any, expected: int) -> list[dict[str, Any]]:
+    """Wait until ``expected`` panels are on the page and none is still loading."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    script = """return [...document.querySelectorAll('[data-panel]')].map(el => ({
+        id: el.dataset.panel, viz: el.dataset.viz, state: el.dataset.state,
+        points: Number(el.dataset.points || 0),
+        canvas: el.querySelector('.uplot canvas') !== null,
+        inked: (() => { const c = el.querySelector('.uplot canvas'); if (!c) return 0;
+                        const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+                        let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i] > 0) n++;
+                        return n; })()}))"""
+    WebDriverWait(driver, 60, poll_frequency=0.3).until(
+        lambda d: (lambda panels: len(panels) == expected
+                   and all(p["state"] != "loading" for p in panels))(d.execute_script(script)))
+    return list(driver.execute_script(script))
+
+
+def console_errors(driver: Any) -> list[dict[str, Any]]:
+    return [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
+
+
+def shoot(driver: Any, path: Path) -> None:
+    height = driver.execute_script("return document.documentElement.scrollHeight")
+    driver.set_window_size(1440, min(int(height) + 200, 5000))
+    driver.save_screenshot(str(path))
+    driver.set_window_size(1440, 900)
+    assert path.stat().st_size > 20_000
+
+
+def assert_drawn(panels: list[dict[str, Any]]) -> None:
+    assert [p["id"] for p in panels if p["state"] == "error"] == []
+    for panel in panels:
+        assert panel["state"] == "ready", panel
+        if panel["viz"] in ("timeseries", "bars", "barchart"):
+            assert panel["canvas"] and panel["points"] > 0, panel
+            assert panel["inked"] > 2000, panel  # lines and bars, not only axes
+
+
+def test_page_renders_live_charts_alerts_and_the_drilldown(server, browser, seeded, tmp_path):
+    browser.get(f"{server}#/realtime")
+    panels = settle(browser, len(panels_of("realtime")))
+    assert_drawn(panels)
+    alerts = browser.execute_script(
+        "return [...document.querySelectorAll('.alert')].map(a => a.dataset.rule)")
+    assert "loop_detected" in alerts and "timeout_near_miss" in alerts
+    assert browser.execute_script("return document.querySelectorAll('.ann-marker').length") > 0
+    assert "firing" in browser.find_element("id", "status").text
+    shoot(browser, tmp_path / "webview-realtime.png")
+
+    card = browser.find_element("css selector", ".alert[data-rule='loop_detected']")
+    card.find_element("xpath", ".//button[starts-with(., 'Playbook')]").click()
+    assert "Playbook:" in card.find_element("css selector", ".playbook").text
+    card.find_element("css selector", "a").click()
+    drill = settle(browser, sum(1 for p in panels_of("drilldown")
+                                if p.needs_run and p.id != "run_summary"))
+    assert_drawn(drill)
+    assert seeded[1] in browser.find_element("id", "run-title").text
+    assert "looped" in browser.find_element("id", "run-kv").text
+    hot = browser.execute_script(
+        "return document.querySelectorAll('[data-panel=run_timeline] tr.hot').length")
+    assert hot == 3
+    shoot(browser, tmp_path / "webview-run.png")
+
+    browser.get(f"{server}#/trends")
+    assert_drawn(settle(browser, len(panels_of("trends"))))
+    shoot(browser, tmp_path / "webview-trends.png")
+    assert console_errors(browser) == []
+
+
+def rounded(value: Any) -> Any:
+    """Floats to 10 significant digits: parallel aggregation may sum in any order."""
+    if isinstance(value, float):
+        return float(f"{value:.10g}")
+    if isinstance(value, list | tuple):
+        return [rounded(item) for item in value]
+    if isinstance(value, dict):
+        return {key: rounded(item) for key, item in value.items()}
+    return value
+
+
+class ServiceLikeReader:
+    """Hands back what a ``ServiceReader`` gets from a running ``loopwatch up``: the
+    store service's JSON (times as text without a zone, uuids as text)."""
+
+    def __init__(self, inner: DirectReader) -> None:
+        self.inner = inner
+
+    def query(self, sql: str, parameters: dict[str, Any] | None = None) -> QueryResult:
+        result = self.inner.query(sql, parameters)
+        payload = orjson.loads(dumps({"columns": result.columns, "rows": result.rows}))
+        return QueryResult(payload["columns"], payload["rows"])
+
+
+def test_results_through_the_store_service_read_the_same(seeded):
+    direct, service = WebApi(seeded[0]), WebApi(ServiceLikeReader(seeded[0]))
+    params = {"to": [str(int(time.time() * 1000))]}
+    for panel in ("cost_per_minute", "problem_runs", "firing_alerts"):
+        assert rounded(service.panel(panel, params)) == rounded(direct.panel(panel, params))
+    assert rounded(service.run(seeded[1], params)) == rounded(direct.run(seeded[1], params))
+    times = [row[-1] for row in direct.panel("problem_runs", params)["rows"]]
+    assert times and all(value.endswith("Z") for value in times)

@@ -20,7 +20,7 @@ from typing import Any
 
 from detectors.alerts import Alert, AlertBook, Transition
 from detectors.outbox import Outbox
-from detectors.rules import Finding, Rule, evaluate, load_rules
+from detectors.rules import Finding, Rule, SeriesState, evaluate, load_rules
 from loopwatch.store.clickhouse import QueryResult
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ class DetectorEngine:
         self.playbook_steps = playbook_steps or _playbook_steps
         self.book = AlertBook(self._restore(), severity_for=self._severity_for)
         self.last_findings: dict[str, list[Finding]] = {}
+        self._series: dict[str, dict[tuple[str, ...], SeriesState]] = {}
         self._last_sent: dict[str, datetime] = {}
 
     def _restore(self) -> list[Alert]:
@@ -125,7 +126,8 @@ class DetectorEngine:
                       "baseline_start": now - max(rule.baseline, rule.window),
                       "wall_now": wall_now}
         rows = self.query(rule.sql, parameters).records()
-        return evaluate(rule, rows, self.policy.daily_budget_usd)
+        series = self._series.setdefault(rule.name, {})
+        return evaluate(rule, rows, self.policy.daily_budget_usd, series)
 
     def _with_evidence(self, alert: Alert, now: datetime) -> Alert:
         """Run the playbook's investigation queries for this alert's labels."""

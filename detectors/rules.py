@@ -189,11 +189,26 @@ def with_overrides(rules: Mapping[str, Rule], extra: Iterable[dict[str, Any]]) -
     return result
 
 
+@dataclass
+class SeriesState:
+    """An anomaly rule's detector for one label set, kept between evaluations so each
+    point is scored and learned exactly once (online), not replayed every pass."""
+
+    detector: Any
+    last_t: Any = None
+    points: int = 0
+    scores: list[float] = field(default_factory=list)
+
+
 def evaluate(rule: Rule, rows: Iterable[Mapping[str, Any]],
-             budgets: Mapping[str, float] | None = None) -> list[Finding]:
-    """Apply the rule's condition to its query rows (per-label overrides included)."""
+             budgets: Mapping[str, float] | None = None,
+             series: dict[tuple[str, ...], SeriesState] | None = None) -> list[Finding]:
+    """Apply the rule's condition to its query rows (per-label overrides included).
+
+    ``series`` carries anomaly detectors across evaluations (the engine keeps one per
+    rule); without it every evaluation replays the rows from scratch."""
     if rule.kind == "anomaly":
-        return _evaluate_series(rule, rows)
+        return _evaluate_series(rule, rows, {} if series is None else series)
     findings = []
     for row in rows:
         labels = {name: str(row.get(name, "")) for name in rule.labels}
@@ -236,34 +251,42 @@ def _evaluate_row(rule: Rule, labels: dict[str, str], row: Mapping[str, Any],
                    {"limit": limit})
 
 
-def _evaluate_series(rule: Rule, rows: Iterable[Mapping[str, Any]]) -> list[Finding]:
+def _evaluate_series(rule: Rule, rows: Iterable[Mapping[str, Any]],
+                     states: dict[tuple[str, ...], SeriesState]) -> list[Finding]:
     """An online detector over each label set's series (rows ``t``, ``value`` in time
-    order): every point is scored on what came before it, then learned. The finding is
-    active when one of the last ``recent_points`` scored at least ``score_threshold``."""
+    order): every new point is scored on what came before it, then learned. The finding
+    is active when one of the last ``recent_points`` scored at least ``score_threshold``."""
     from detectors.anomaly.registry import DETECTORS
 
-    series: dict[tuple[str, ...], list[Mapping[str, Any]]] = {}
+    grouped: dict[tuple[str, ...], list[Mapping[str, Any]]] = {}
     for row in rows:
         key = tuple(str(row.get(name, "")) for name in rule.labels)
-        series.setdefault(key, []).append(row)
+        grouped.setdefault(key, []).append(row)
     findings = []
-    for key, points in series.items():
+    for key, points in grouped.items():
         labels = dict(zip(rule.labels, key, strict=True))
         effective = rule.for_labels(labels)
-        detector = DETECTORS[effective.detector]()
-        scores = []
+        state = states.get(key)
+        if state is None:
+            state = states[key] = SeriesState(DETECTORS[effective.detector]())
         for point in points:
+            moment = point.get("t")
+            if state.last_t is not None and moment is not None and moment <= state.last_t:
+                continue
             value = float(point["value"] or 0.0)
-            scores.append(detector.score_one(value, point.get("t")))
-            detector.learn_one(value, point.get("t"))
+            state.scores = [*state.scores, state.detector.score_one(value, moment)][
+                -effective.recent_points:]
+            state.detector.learn_one(value, moment)
+            state.last_t = moment
+            state.points += 1
         last = float(points[-1]["value"] or 0.0)
-        if len(points) < effective.min_samples:
-            findings.append(Finding(effective, labels, last, "too_few_samples", len(points),
-                                    detail=f"{len(points)} points < {effective.min_samples}"))
+        if state.points < effective.min_samples:
+            findings.append(Finding(effective, labels, last, "too_few_samples", state.points,
+                                    detail=f"{state.points} points < {effective.min_samples}"))
             continue
-        recent = max(scores[-effective.recent_points:])
-        state: FindingState = "active" if recent >= effective.score_threshold else "inactive"
-        findings.append(Finding(effective, labels, last, state, len(points),
+        recent = max(state.scores, default=0.0)
+        active: FindingState = "active" if recent >= effective.score_threshold else "inactive"
+        findings.append(Finding(effective, labels, last, active, state.points,
                                 detail=f"{effective.detector} score {recent:.2f}",
                                 extra={"score": recent}))
     return findings

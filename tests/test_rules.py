@@ -396,3 +396,21 @@ def test_readme_lists_every_rule():
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     for name in load_rules():
         assert f"| `{name}` |" in readme, name
+
+
+def test_anomaly_detectors_learn_each_point_once_across_evaluations(fleet, local_store):
+    agent, _ = agents()
+    for minutes in range(2, 200):
+        fleet.add(LlmCall(ts=NOW - timedelta(minutes=minutes), run_id="r", agent=agent,
+                          input_tokens=1000))
+    fleet.flush()
+    detector = engine(local_store)
+    detector.evaluate(event_now=NOW)
+    assert finding(detector, "cost_per_minute_anomaly", agent).samples == 198
+    detector.evaluate(event_now=NOW)
+    assert finding(detector, "cost_per_minute_anomaly", agent).samples == 198
+    fleet.add(LlmCall(ts=NOW + timedelta(seconds=30), run_id="r", agent=agent,
+                      input_tokens=1000))
+    fleet.flush()
+    detector.evaluate(event_now=NOW + timedelta(minutes=1, seconds=5))
+    assert finding(detector, "cost_per_minute_anomaly", agent).samples == 199

@@ -131,7 +131,8 @@ def _first_fired(transitions: list[Transition], agent: str) -> dict[str, datetim
 
 def score(client: Client, settings: Settings, *, seed: int = 7, history_days: float = 7,
           baseline_hours: float = 24, scenario_names: Iterable[str] | None = None,
-          start: datetime | None = None, progress: Progress | None = None) -> Scorecard:
+          start: datetime | None = None, progress: Progress | None = None,
+          observe_minutes: float = 75) -> Scorecard:
     """Run the whole scorecard against the store behind ``client`` (it gains the data)."""
     say = progress or (lambda message: None)
     scenarios = load_scenarios()
@@ -149,7 +150,8 @@ def score(client: Client, settings: Settings, *, seed: int = 7, history_days: fl
     moment = baseline_end
     for scenario in chosen:
         say(f"scenario {scenario.name}")
-        results[scenario.name], moment = _run_scenario(simulation, scenario, moment)
+        results[scenario.name], moment = _run_scenario(simulation, scenario, moment,
+                                                       timedelta(minutes=observe_minutes))
     return Scorecard(
         scenarios=results, baseline_hours=baseline_hours,
         false_alerts={severity: sum(alert.severity == severity for alert in false_fired)
@@ -158,10 +160,10 @@ def score(client: Client, settings: Settings, *, seed: int = 7, history_days: fl
     )
 
 
-def _run_scenario(simulation: Simulation, scenario: Scenario,
-                  start: datetime) -> tuple[ScenarioResult, datetime]:
+def _run_scenario(simulation: Simulation, scenario: Scenario, start: datetime,
+                  observe: timedelta) -> tuple[ScenarioResult, datetime]:
     inject_at = start + timedelta(minutes=20)
-    observe_until = inject_at + timedelta(minutes=75)
+    observe_until = inject_at + observe
     simulation.advance(start, inject_at, timedelta(minutes=1))
     injection = Injection(scenario.agent, inject_at, scenario.behaviour)
     transitions = simulation.advance(inject_at, observe_until, timedelta(minutes=1), injection)

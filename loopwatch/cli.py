@@ -436,11 +436,13 @@ def schema(
 
 def _register_parts() -> None:
     """Commands that live with their parts (ingest, dashboards) join the main CLI here."""
+    from bench.cli import register as register_bench
     from dashboards.cli import register as register_dashboards
     from ingest.cli import register as register_ingest
 
     register_ingest(app)
     register_dashboards(app)
+    register_bench(app)
 
 
 _register_parts()

@@ -68,6 +68,9 @@ class Settings(BaseSettings):
         "a run that declares time_cap_s gets 2 x that instead"
     )
     abandon_ttl_by_task_type: dict[str, float] = Field(default_factory=dict)
+    sweep_interval_s: float = Field(
+        5.0, gt=0, description="how often open runs are checked for abandonment"
+    )
     label_window_s: float = Field(
         86400.0, gt=0, description="closed runs stay in processor state this long for labels"
     )

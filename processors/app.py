@@ -115,7 +115,7 @@ class Processor:
         self.store = TableRunStore(self.table, self.app, settings.events_topic)
         self.pipeline = Pipeline(settings, self.store, lookup_run=lookup_run)
         self.app.agent(self.events_topic, name="assemble-runs")(self._assemble)
-        self.app.timer(1.0, name="sweep-runs")(self._sweep)
+        self.app.timer(settings.sweep_interval_s, name="sweep-runs")(self._sweep)
 
     async def _assemble(self, stream: Any) -> None:
         async for events in stream.take_events(

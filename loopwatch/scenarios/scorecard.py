@@ -64,7 +64,8 @@ class Scorecard:
                                  "fired": r.fired, "time_to_detect_s": r.time_to_detect_s}
                           for name, r in self.scenarios.items()},
             "baseline": {"simulated_hours": self.baseline_hours,
-                         "false_alerts": self.false_alerts},
+                         "false_alerts": self.false_alerts,
+                         "false_alert_rules": self.false_alert_rules},
             "recall": self.recall,
             "median_time_to_detect_s": statistics.median(times) if times else None,
         }
@@ -136,7 +137,8 @@ def score(client: Client, settings: Settings, *, seed: int = 7, history_days: fl
     """Run the whole scorecard against the store behind ``client`` (it gains the data)."""
     say = progress or (lambda message: None)
     scenarios = load_scenarios()
-    chosen = [scenarios[name] for name in (scenario_names or scenarios)]
+    names = list(scenarios) if scenario_names is None else list(scenario_names)
+    chosen = [scenarios[name] for name in names]
     simulation = Simulation(client, settings, seed, say)
     moment = start or datetime(2026, 1, 5, tzinfo=UTC)
     say(f"loading {history_days:g} days of clean history")

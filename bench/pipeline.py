@@ -1,0 +1,448 @@
+"""End-to-end throughput of the processors, with a raw-consumer baseline from the same run.
+
+    loopwatch bench [--events N] [--workers K] [--query-events M] [--json]
+
+Against one embedded Tansu broker on loopback (figures are only comparable as ratios
+to the baseline measured in the same run; the machine is shared):
+
+* ``emitter_events_per_s``: N generated events (``loopwatch.scenarios.traffic``, a
+  three-agent fleet in simulated time, sorted by event time) emitted from this process
+  with ``Emitter.emit`` + ``flush``: first emit to last broker ack (generation excluded).
+* ``raw_consume_events_per_s``: aiokafka, no group, all partitions assigned, seek to
+  beginning, ``orjson.loads`` of every message and its envelope: first fetched batch to
+  the N-th event.
+* ``pipeline_events_per_s``: a real ``loopwatch up`` child (fresh data dir) on the filled
+  topic: from the first poll that sees an event stored to the one that sees the N-th
+  (``count()``, then ``uniqExact(event_id)`` in ``events``, polled every 0.25 s; the
+  window opens at the last poll that saw nothing stored), so start-up and the group
+  join are excluded (detectors at their default interval). ``workers["2"]``: a second
+  ``up`` (own consumer group, fresh store, same topic) plus a ``loopwatch worker`` in its
+  group; a rebalance while the two join can fall inside the window. The processor's
+  log is summarised on stderr (timer overruns, full changelog producer buffer).
+* ``processor_peak_rss_mb``: VmHWM of the ``up`` child (it also hosts chdb, the store
+  service and the detectors).
+* ``memory_per_open_run_bytes``: in a separate ``up`` child on its own topic: VmRSS growth
+  over a *second* batch of K ``run.start`` events without an end (the first batch pays
+  one-time allocations), once all K are stored, / K; an upper bound: the same process
+  also holds chdb's share of the rows they wrote.
+* ``stored_bytes_per_event``: ``sum(data_compressed_bytes)`` of the active parts of every
+  table in the loopwatch database / events stored (bulk rows included on both sides).
+* ``query_latency_s``: per investigation query, the median of 3 runs through the store
+  service reader, on a store holding M bulk-loaded + N pipeline events.
+* ``alert_latency_p50_s`` / ``p95``: with ``LOOPWATCH_DETECT_INTERVAL_S=1``, time from
+  sending (acks=all) a run's 21st step to the ``stuck_run`` alert being ``firing`` in
+  ``alerts FINAL``, polled every 50 ms; a few samples, one at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from ingest.events import EventBase, RunStart, Step
+from ingest.sdk import Emitter
+from loopwatch.config import load_settings
+from loopwatch.embedded.broker import EmbeddedBroker
+from loopwatch.investigations import investigations
+from loopwatch.scenarios.traffic import Agent, Behaviour, Traffic
+from loopwatch.topics import ensure_topics
+from loopwatch.upprocess import UpProcess
+
+Progress = Callable[[str], None]
+
+FLEET: tuple[Agent, ...] = (
+    Agent("support-bot", runs_per_minute=20.0, tools=("lookup_ticket", "issue_refund", "search"),
+          behaviour=Behaviour(loop_share=0.03, crash_share=0.02, abandon_share=0.02)),
+    Agent("research-agent", model="claude-opus-4-1", runs_per_minute=12.0, system_tokens=6000,
+          tools=("search", "fetch"), steps=(4, 10),
+          behaviour=Behaviour(loop_share=0.05, gave_up_share=0.04, budget_share=0.05)),
+    Agent("sql-analyst", model="gpt-4o", runs_per_minute=16.0, tools=("run_sql", "fetch"),
+          steps=(3, 7), behaviour=Behaviour(cache_works=False, tool_error_share=0.01)),
+)
+KEYS = ("events", "pipeline_events_per_s", "raw_consume_events_per_s", "ratio",
+        "emitter_events_per_s", "alert_latency_p50_s", "alert_latency_p95_s",
+        "processor_peak_rss_mb", "memory_per_open_run_bytes", "stored_bytes_per_event",
+        "query_latency_s", "workers")
+POLL_S = 0.25
+BASE_ENV = {"LOOPWATCH_OTLP_PORT": "0"}
+
+
+def generate_events(count: int, seed: int, end: datetime) -> list[EventBase]:
+    """``count`` events of the fleet, in event-time order, ending about at ``end``."""
+    per_hour = sum(agent.runs_per_minute for agent in FLEET) * 60 * 12
+    hours = max(1, math.ceil(count / per_hour) + 1)
+    window = end - timedelta(hours=hours)
+    traffic = Traffic(FLEET, seed)
+    generated: list[EventBase] = []
+    while len(generated) < count:
+        generated.extend(traffic.events(window, window + timedelta(hours=1)))
+        window += timedelta(hours=1)
+    generated.sort(key=lambda event: event.ts)
+    return generated[:count]
+
+
+def _proc_status(pid: int, field: str) -> int | None:
+    """A ``VmRSS``/``VmHWM`` line of /proc/<pid>/status, in bytes."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _pid(up: UpProcess) -> int:
+    assert up.process is not None
+    return up.process.pid
+
+
+# -- producer and raw consumer ------------------------------------------------------------
+
+def emit_all(bootstrap: str, events: list[EventBase], spool: Path) -> tuple[float, int]:
+    """Emit through the SDK from this thread; (events/s, events acknowledged)."""
+    with Emitter(bootstrap, spool_dir=spool) as emitter:
+        started = time.monotonic()
+        for event in events:
+            emitter.emit(event)
+        if not emitter.flush(timeout_s=600):
+            raise RuntimeError("the emitter did not drain in 600 s")
+        elapsed = time.monotonic() - started
+        if emitter.stats.spooled:
+            raise RuntimeError(f"{emitter.stats.spooled} events were spooled, not sent")
+        return emitter.stats.sent / elapsed, emitter.stats.sent
+
+
+async def _raw_consume(bootstrap: str, topic: str, expected: int, timeout_s: float) -> float:
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None,
+                                enable_auto_commit=False, auto_offset_reset="earliest",
+                                max_partition_fetch_bytes=4_194_304)
+    await consumer.start()
+    try:
+        partitions = consumer.partitions_for_topic(topic) or set()
+        if not partitions:
+            await consumer.force_metadata_update()
+            partitions = consumer.partitions_for_topic(topic) or set()
+        assigned = [TopicPartition(topic, p) for p in sorted(partitions)]
+        consumer.assign(assigned)
+        await consumer.seek_to_beginning(*assigned)
+        seen, first = 0, 0.0
+        deadline = time.monotonic() + timeout_s
+        while seen < expected:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"raw consumer read {seen}/{expected} events")
+            batches = await consumer.getmany(timeout_ms=1000)
+            if batches and not first:
+                first = time.monotonic()
+            for records in batches.values():
+                for record in records:
+                    value = orjson.loads(record.value or b"null")
+                    if isinstance(value, dict) and "envelope_version" in value:
+                        seen += len(value["events"])
+                    else:
+                        seen += 1
+        return seen / (time.monotonic() - first)
+    finally:
+        await consumer.stop()
+
+
+def raw_consume(bootstrap: str, topic: str, expected: int, timeout_s: float = 600) -> float:
+    return asyncio.run(_raw_consume(bootstrap, topic, expected, timeout_s))
+
+
+# -- the processors -------------------------------------------------------------------------
+
+def _stored(up: UpProcess, exact: bool) -> int:
+    sql = "SELECT uniqExact(event_id) FROM events" if exact else "SELECT count() FROM events"
+    return int(up.reader.query(sql).scalar() or 0)
+
+
+def measure_processing(up: UpProcess, already: int, target: int, progress: Progress,
+                       timeout_s: float = 1800) -> dict[str, float]:
+    """Poll until ``target`` distinct events are stored (``already`` were there before).
+
+    The window opens at the last poll that saw nothing new (so start-up and the group
+    join stay out, give or take one poll interval) and closes at the poll that sees the
+    target; also returns the longest stretch without progress inside it.
+    """
+    deadline = time.monotonic() + timeout_s
+    opened: float | None = None
+    before = time.monotonic()
+    last_change, longest_stall, previous = before, 0.0, already
+    stored, slowest_poll = already, 0.0
+    while True:
+        now = time.monotonic()
+        if now > deadline:
+            raise TimeoutError(f"pipeline stored {stored}/{target} events in {timeout_s:.0f}s")
+        stored = _stored(up, exact=False)
+        slowest_poll = max(slowest_poll, time.monotonic() - now)
+        if stored >= target:
+            stored = _stored(up, exact=True)
+        if opened is None:
+            if stored > already:
+                opened = last_change = before
+            before = now
+        if opened is not None and stored != previous:
+            longest_stall = max(longest_stall, now - last_change)
+            last_change, previous = now, stored
+            progress(f"stored {stored - already}/{target - already}")
+        if stored >= target:
+            break
+        time.sleep(POLL_S)
+    assert opened is not None
+    elapsed = now - opened
+    return {"rate": (stored - already) / elapsed, "seconds": elapsed,
+            "longest_stall_s": longest_stall, "slowest_poll_s": slowest_poll}
+
+
+def query_latencies(up: UpProcess, runs: int = 3) -> dict[str, float]:
+    found = up.reader.query(
+        "SELECT run_id FROM runs FINAL ORDER BY outcome = 'looped' DESC, tool_calls DESC "
+        "LIMIT 1").scalar() or ""
+    latencies: dict[str, float] = {}
+    for name, investigation in sorted(investigations().items()):
+        parameters = {key: value for key, value in {"agent": "", "run_id": str(found)}.items()
+                      if key in investigation.parameters}
+        samples = []
+        for _ in range(runs):
+            started = time.monotonic()
+            up.reader.query(investigation.sql, parameters)
+            samples.append(time.monotonic() - started)
+        latencies[name] = statistics.median(samples)
+    return latencies
+
+
+def stored_bytes(up: UpProcess) -> float:
+    compressed = up.reader.query(
+        "SELECT sum(data_compressed_bytes) FROM system.parts "
+        "WHERE database = 'loopwatch' AND active").scalar()
+    return float(compressed or 0)
+
+
+def bulk_load(data_dir: Path, events: int, seed: int) -> int:
+    """Fill the store in a child process (chdb: one process per path) before ``up``."""
+    result = subprocess.run(
+        [sys.executable, "-m", "bench._bulkload", str(data_dir), str(events), str(seed)],
+        env={**os.environ, "LOOPWATCH_DATA_DIR": str(data_dir),
+             # ``bench`` is not in the installed packages: run it from this checkout
+             "PYTHONPATH": os.pathsep.join(filter(None, [
+                 str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))},
+        capture_output=True, check=False, timeout=1800,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"bulk load failed: {result.stderr.decode()[-2000:]}")
+    return int(orjson.loads(result.stdout.splitlines()[-1])["events"])
+
+
+def _worker(env: dict[str, str], data_dir: Path) -> subprocess.Popen[bytes]:
+    log = (data_dir / "logs" / "bench-worker.out").open("ab")
+    return subprocess.Popen([sys.executable, "-m", "loopwatch.cli", "worker"],
+                            env={**os.environ, **env, "LOOPWATCH_DATA_DIR": str(data_dir)},
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def _stop(process: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+# -- open runs and alerts (a separate `up` on its own topic) ---------------------------------
+
+def _wait_counter(up: UpProcess, target: int, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while up.health()["counters"]["events"] < target:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"up processed fewer than {target} events")
+        time.sleep(0.1)
+
+
+def open_run_memory(up: UpProcess, emitter: Emitter, runs: int) -> tuple[float, float]:
+    """VmRSS growth per open run: (first ``runs``, second ``runs``). The second slope
+    leaves out one-time allocations (buffers, the first parts) the first one pays."""
+    now = datetime.now(UTC)
+    readings: list[int] = []
+    for _ in range(3):
+        if readings:
+            base = up.health()["counters"]["events"]
+            starts = [RunStart(run_id=uuid.uuid4().hex, ts=now, agent="bench-open",
+                               task_type="hold", model="claude-sonnet-4", prompt_version="v1",
+                               deployment="d1", step_cap=50) for _ in range(runs)]
+            for index in range(0, runs, 5000):
+                emitter.send_and_wait(starts[index:index + 5000], timeout_s=60)
+            _wait_counter(up, base + runs)
+        time.sleep(3.0)  # let the batch's rows and changelog writes settle
+        rss = _proc_status(_pid(up), "VmRSS")
+        if rss is None:
+            raise RuntimeError("no /proc/<pid>/status for the up child")
+        readings.append(rss)
+    return (readings[1] - readings[0]) / runs, (readings[2] - readings[1]) / runs
+
+
+def alert_latencies(up: UpProcess, emitter: Emitter, samples: int,
+                    timeout_s: float = 30) -> list[float]:
+    sql = ("SELECT count() FROM alerts FINAL WHERE rule = 'stuck_run' "
+           "AND labels['run_id'] = {run_id:String} AND state = 'firing'")
+    latencies = []
+    for _ in range(samples):
+        run_id = uuid.uuid4().hex
+        common: dict[str, Any] = {"run_id": run_id, "agent": "bench-stuck", "task_type": "hold",
+                                  "model": "claude-sonnet-4", "prompt_version": "v1",
+                                  "deployment": "d1"}
+        base = up.health()["counters"]["events"]
+        now = datetime.now(UTC)
+        first: list[EventBase] = [RunStart(ts=now, step_cap=100, **common)]
+        first += [Step(ts=now, step=number, **common) for number in range(20)]
+        emitter.send_and_wait(first, timeout_s=30)
+        _wait_counter(up, base + len(first))
+        time.sleep(1.5)  # the detector has seen the run at 20 steps: not yet stuck
+        started = time.monotonic()
+        emitter.send_and_wait([Step(ts=datetime.now(UTC), step=20, **common)], timeout_s=30)
+        while time.monotonic() - started < timeout_s:
+            if up.reader.query(sql, {"run_id": run_id}).scalar():
+                latencies.append(time.monotonic() - started)
+                break
+            time.sleep(0.05)
+    return latencies
+
+
+def log_signals(logs: Path) -> str:
+    """What the processor's own log says about stalls: timer overruns and a full
+    changelog producer buffer (faust pauses the stream until it drains)."""
+    sweeps: list[float] = []
+    commits: list[float] = []
+    buffer_full = 0
+    for path in logs.glob("worker*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            if "producer buffer full" in line:
+                buffer_full += 1
+            elif "is overlapping" in line and "runtime=" in line:
+                runtime = float(line.rsplit("runtime=", 1)[1].split(")")[0])
+                (sweeps if "sweep-runs" in line else commits).append(runtime)
+    return (f"log: sweep-runs timer overran {len(sweeps)}x (max {max(sweeps, default=0):.1f}s, "
+            f"sum {sum(sweeps):.1f}s), commit timer overran {len(commits)}x (max "
+            f"{max(commits, default=0):.1f}s), 'producer buffer full' {buffer_full}x")
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+# -- the whole run ------------------------------------------------------------------------------
+
+def run_bench(events: int, workers: int, query_events: int,
+              progress: Progress = lambda _message: None,
+              note: Progress | None = None, alert_samples: int = 5) -> dict[str, Any]:
+    """Run every measurement; ``progress`` gets status lines, ``note`` the caveats
+    (why a figure is null, what a figure includes)."""
+    note = note or progress
+    result: dict[str, Any] = dict.fromkeys(KEYS)
+    result["query_latency_s"], result["workers"] = {}, {"1": None, "2": None}
+    settings = load_settings()
+    topic = settings.events_topic
+    with tempfile.TemporaryDirectory(prefix="loopwatch-bench-") as tmp:
+        root = Path(tmp)
+        with EmbeddedBroker(root / "broker.log") as broker:
+            bootstrap = broker.bootstrap
+            ensure_topics(bootstrap, settings)
+            env = {**BASE_ENV, "LOOPWATCH_KAFKA_BOOTSTRAP": bootstrap}
+
+            progress(f"generating {events} events")
+            generated = generate_events(events, seed=7, end=datetime.now(UTC)
+                                        - timedelta(minutes=1))
+            progress("emitting through the SDK")
+            result["emitter_events_per_s"], sent = emit_all(bootstrap, generated, root / "spool")
+            del generated
+            result["events"] = sent
+            progress(f"emitter: {result['emitter_events_per_s']:.0f} events/s; raw consumer")
+            result["raw_consume_events_per_s"] = raw_consume(bootstrap, topic, sent)
+            progress(f"raw consumer: {result['raw_consume_events_per_s']:.0f} events/s")
+
+            # -- one processor, on a store pre-filled for the queries
+            data_one = root / "w1"
+            baseline = 0
+            if query_events > 0:
+                progress(f"bulk-loading {query_events} events into the store (child process)")
+                baseline = bulk_load(data_one, query_events, seed=11)
+            progress("starting loopwatch up (1 worker)")
+            with UpProcess(data_one, env) as up:
+                measured = measure_processing(up, baseline, baseline + sent, progress)
+                pid = _pid(up)
+                note(f"1 worker: {measured['seconds']:.1f}s window, longest stretch without "
+                     f"progress {measured['longest_stall_s']:.1f}s, slowest poll "
+                     f"{measured['slowest_poll_s']:.1f}s (up pid {pid})")
+                note("1 worker " + log_signals(data_one / "logs"))
+                result["pipeline_events_per_s"] = measured["rate"]
+                result["workers"]["1"] = measured["rate"]
+                hwm = _proc_status(pid, "VmHWM")
+                result["processor_peak_rss_mb"] = None if hwm is None else hwm / 2**20
+                total = _stored(up, exact=False)
+                result["stored_bytes_per_event"] = stored_bytes(up) / max(total, 1)
+                progress("query latency")
+                result["query_latency_s"] = query_latencies(up)
+            result["ratio"] = result["pipeline_events_per_s"] / result["raw_consume_events_per_s"]
+
+            # -- two processors: a fresh store and consumer group on the same topic
+            if workers >= 2:
+                if workers > 2:
+                    note("only 1 and 2 workers are measured (2 cores)")
+                data_two = root / "w2"
+                env_two = {**env, "LOOPWATCH_CONSUMER_GROUP": "loopwatch-bench-w2"}
+                progress("starting loopwatch up + loopwatch worker (2 workers)")
+                with UpProcess(data_two, env_two) as up:
+                    extra = _worker(env_two, data_two)
+                    try:
+                        measured = measure_processing(up, 0, sent, progress)
+                    finally:
+                        _stop(extra)
+                result["workers"]["2"] = measured["rate"]
+                note("2 workers " + log_signals(data_two / "logs"))
+                note(f"2 workers: {measured['seconds']:.1f}s window, longest stretch without "
+                     f"progress {measured['longest_stall_s']:.1f}s, slowest poll "
+                     f"{measured['slowest_poll_s']:.1f}s (a rebalance while the "
+                     "second worker joins falls inside it)")
+            else:
+                note("workers['2'] is null: run with --workers 2 to measure it")
+
+            # -- open-run memory and alert latency: their own up, topic and group
+            progress("open-run memory and alert latency (own up, detect interval 1 s)")
+            env_alert = {**env, "LOOPWATCH_EVENTS_TOPIC": "bench.alerts",
+                         "LOOPWATCH_CONSUMER_GROUP": "loopwatch-bench-alerts",
+                         "LOOPWATCH_DETECT_INTERVAL_S": "1"}
+            with UpProcess(root / "alerts", env_alert) as up, \
+                    Emitter(bootstrap, topic="bench.alerts", spool_dir=root / "spool2") as emitter:
+                open_runs = min(20_000, max(2_000, events // 10))
+                first, second = open_run_memory(up, emitter, open_runs)
+                result["memory_per_open_run_bytes"] = second
+                note(f"memory per open run: VmRSS growth of the up child per run.start without "
+                     f"an end, over a second batch of {open_runs} (first batch: {first:.0f} B, "
+                     "with one-time allocations); includes chdb's share of their rows")
+                latencies = alert_latencies(up, emitter, alert_samples)
+            if latencies:
+                result["alert_latency_p50_s"] = statistics.median(latencies)
+                result["alert_latency_p95_s"] = _percentile(latencies, 0.95)
+                note(f"alert latency: {len(latencies)}/{alert_samples} samples: "
+                     + ", ".join(f"{value:.2f}" for value in latencies))
+            else:
+                note("alert latency is null: no stuck_run alert fired within 30 s")
+    return result

@@ -1,0 +1,42 @@
+"""Smoke run of ``loopwatch bench``: every figure present with its type; no timing claims."""
+
+from __future__ import annotations
+
+import orjson
+import typer
+from typer.testing import CliRunner
+
+from bench.cli import register
+from bench.pipeline import KEYS
+
+FLOATS = ("pipeline_events_per_s", "raw_consume_events_per_s", "ratio", "emitter_events_per_s",
+          "alert_latency_p50_s", "alert_latency_p95_s", "processor_peak_rss_mb",
+          "memory_per_open_run_bytes", "stored_bytes_per_event")
+
+
+def test_bench_smoke() -> None:
+    app = typer.Typer()
+    register(app)
+
+    @app.callback()
+    def main() -> None:
+        """A fresh app with only ``bench`` (the lead wires it into the real CLI)."""
+
+    events = 3000
+    result = CliRunner().invoke(
+        app, ["bench", "--events", str(events), "--workers", "1", "--query-events", "2000",
+              "--json"])
+    assert result.exit_code == 0, result.output
+    figures = orjson.loads(result.stdout.strip().splitlines()[-1])
+    assert list(figures) == list(KEYS)
+    assert figures["events"] == events
+    for key in FLOATS:
+        assert figures[key] is None or isinstance(figures[key], float), key
+    for key in ("pipeline_events_per_s", "raw_consume_events_per_s", "ratio",
+                "emitter_events_per_s", "processor_peak_rss_mb", "stored_bytes_per_event"):
+        assert figures[key] > 0, key
+    assert isinstance(figures["query_latency_s"], dict) and figures["query_latency_s"]
+    assert all(isinstance(value, float) and value > 0
+               for value in figures["query_latency_s"].values())
+    assert figures["workers"]["1"] == figures["pipeline_events_per_s"]
+    assert figures["workers"].get("2") is None

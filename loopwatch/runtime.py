@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import faust
@@ -37,7 +38,7 @@ from loopwatch.store.service import StoreService
 from loopwatch.topics import LagProbe, ensure_topics
 from processors.app import Processor
 from processors.runs import RunState
-from processors.sink import ClickHouseSink, RowBatch, Sink
+from processors.sink import ClickHouseSink, FaultInjectingSink, RowBatch, Sink
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +248,11 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
         writer = migrate(settings)
         receiver = _start_otlp(settings, bootstrap, otlp_port)
         open_runs, lookup_run = _store_callbacks(DirectReader(connect(settings)))
-        processor = Processor(settings, bootstrap, ClickHouseSink(writer),
+        sink: Sink = ClickHouseSink(writer)
+        fault_marker = os.environ.get("LOOPWATCH_FAULT_SINK_FILE")
+        if fault_marker:
+            sink = FaultInjectingSink(sink, Path(fault_marker))
+        processor = Processor(settings, bootstrap, sink,
                               open_runs=open_runs, lookup_run=lookup_run)
         store = settings.clickhouse_url or f"chdb://{settings.chdb_path}"
 

@@ -14,6 +14,7 @@ import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from clickhouse_connect.driver.client import Client
@@ -57,6 +58,21 @@ class ClickHouseSink:
             self._client.insert(
                 table, [[row[name] for name in columns] for row in rows], column_names=columns
             )
+
+
+class FaultInjectingSink:
+    """Refuses writes while a marker file exists: how tests make ClickHouse "unavailable"
+    to an in-process chdb store, which cannot be stopped on its own. Enabled only by
+    ``LOOPWATCH_FAULT_SINK_FILE``; never in normal operation."""
+
+    def __init__(self, inner: Sink, marker: Path) -> None:
+        self._inner = inner
+        self._marker = marker
+
+    def write_batch(self, batch: RowBatch) -> None:
+        if self._marker.exists():
+            raise ConnectionError(f"store unavailable (fault injected by {self._marker})")
+        self._inner.write_batch(batch)
 
 
 class RetryingSink:

@@ -120,8 +120,10 @@ def pipeline(broker: EmbeddedBroker, alertmanager: str,
              tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
     """The processor and detectors, as a child ``loopwatch up`` on the session broker,
     posting alerts to the session Alertmanager; tests may kill and restart it."""
-    up = UpProcess(tmp_path_factory.mktemp("store"),
+    store_dir = tmp_path_factory.mktemp("store")
+    up = UpProcess(store_dir,
                    {**PIPELINE_ENV, "LOOPWATCH_KAFKA_BOOTSTRAP": broker.bootstrap,
+                    "LOOPWATCH_FAULT_SINK_FILE": str(store_dir / "store-down"),
                     "LOOPWATCH_ALERTMANAGER_URL": alertmanager,
                     "LOOPWATCH_DETECT_INTERVAL_S": "1",
                     "LOOPWATCH_LINK_BASE_URL": "http://loopwatch.local"})

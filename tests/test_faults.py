@@ -58,3 +58,30 @@ def test_processor_killed_mid_stream_loses_nothing_and_counts_nothing_twice(
                    a=agent)
     assert calls == RUNS * 2
 
+
+
+def test_store_unavailable_processors_wait_and_lose_nothing(pipeline: UpProcess, reader,
+                                                            emitter: Emitter, agent: str):
+    """Guarantee: while ClickHouse refuses writes the processors stop there (nothing is
+    acked, so no offset moves past the refused batch) and, once it is back, every event is
+    stored exactly once. The in-process chdb store cannot be stopped on its own, so the
+    fault is injected at the sink (a marker file the sink checks; see FaultInjectingSink)."""
+    marker = pipeline.data_dir / "store-down"
+    marker.touch()
+    try:
+        failures_before = pipeline.health()["sink_failures"]
+        for _ in range(50):
+            with emitter.run(agent=agent, model="gpt-4o") as run:
+                run.step()
+                run.llm_call(input_tokens=100, output_tokens=10)
+        assert emitter.flush(30)
+        wait_for(lambda: pipeline.health()["sink_failures"] >= failures_before + 3, 60,
+                 what="the processors to hit the unavailable store")
+        assert stored_events(reader, agent) == 0
+    finally:
+        marker.unlink()
+    wait_stored(reader, agent, 200, timeout_s=120)
+    assert stored_events(reader, agent) == 200
+    row = reader.query("SELECT count(), sum(llm_calls), countIf(outcome = 'success') "
+                       "FROM runs FINAL WHERE agent = {a:String}", {"a": agent}).rows[0]
+    assert row == [50, 50, 50]

@@ -112,8 +112,10 @@ class Finding:
         return self.state == "active"
 
     def summary(self) -> str:
+        whole = float(self.samples).is_integer()
+        samples: float | int = int(self.samples) if whole else self.samples
         context: dict[str, Any] = {**self.labels, **self.extra, "value": self.value,
-                                   "samples": self.samples,
+                                   "samples": samples,
                                    "baseline": self.baseline or 0.0,
                                    "ratio": self.value / self.baseline if self.baseline else 0.0,
                                    "window": _human(self.rule.window)}

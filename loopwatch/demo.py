@@ -25,8 +25,12 @@ from loopwatch.upprocess import UpProcess
 
 SETTINGS_ENV = ("abandon_ttl_s", "idle_advance_s", "late_allowance_s", "detect_interval_s")
 ALERTS_SQL = """
-SELECT rule, severity, state, summary, playbook FROM alerts FINAL
-WHERE state != 'pending' ORDER BY severity = 'critical' DESC, rule, summary
+SELECT rule, severity, playbook, count() AS episodes, countIf(state = 'firing') AS firing,
+       argMax(summary, updated_at) AS latest
+FROM alerts FINAL
+WHERE state != 'pending' OR fired_at IS NOT NULL
+GROUP BY rule, severity, playbook
+ORDER BY severity = 'critical' DESC, severity = 'warning' DESC, rule
 """
 
 
@@ -139,12 +143,12 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         metrics.add_row(label, *(cell(entry) for entry in entries))
     console.print(metrics)
     if report.get("alerts"):
-        alerts = Table(title="alerts the detectors raised (see: loopwatch playbook NAME)")
-        for column in ("severity", "state", "rule", "summary", "playbook"):
+        alerts = Table(title="alerts raised (loopwatch alerts; loopwatch playbook NAME)")
+        for column in ("severity", "rule", "episodes", "firing now", "latest", "playbook"):
             alerts.add_column(column)
         for alert in report["alerts"]:
-            alerts.add_row(*(str(alert[c]) for c in ("severity", "state", "rule", "summary",
-                                                     "playbook")))
+            alerts.add_row(alert["severity"], alert["rule"], str(alert["episodes"]),
+                           str(alert["firing"]), alert["latest"], alert["playbook"])
         console.print(alerts)
     data_dir = report["store"].removeprefix("chdb://").removesuffix("/chdb")
     console.print(f"data: {report['store']}")

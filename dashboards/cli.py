@@ -16,12 +16,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
-console = Console(stderr=True, soft_wrap=True)
+from loopwatch.cliargs import DataDir, console, settings_from
 
-DataDir = Annotated[Path | None, typer.Option("--data-dir", help="state directory "
-                                              "[env LOOPWATCH_DATA_DIR]")]
 ClickHouseUrl = Annotated[str | None, typer.Option(
     "--clickhouse-url", help="the ClickHouse server Grafana reads, http(s)://user@host:port/db "
     "[default: LOOPWATCH_CLICKHOUSE_URL]")]
@@ -50,7 +47,6 @@ def deploy_command(
 ) -> None:
     """Create or update the ClickHouse data source and the dashboards in Grafana."""
     from dashboards.deploy import DeployError, deploy
-    from loopwatch.cli import settings_from
 
     settings = settings_from(data_dir)
     try:
@@ -72,7 +68,6 @@ def serve_command(
 ) -> None:
     """Serve the dashboards as a local web page (live charts, alerts, run drill-down)."""
     from dashboards.web.server import serve_forever
-    from loopwatch.cli import settings_from
     from loopwatch.store.reader import QueryError, open_reader
 
     settings = settings_from(data_dir)

@@ -14,27 +14,13 @@ from typing import Annotated, Any
 
 import typer
 from pydantic import ValidationError
-from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-from loopwatch.config import Settings, load_settings
+from loopwatch.cliargs import DataDir, console, settings_from
+from loopwatch.config import Settings
 
-console = Console(stderr=True, soft_wrap=True)
-
-DataDir = Annotated[Path | None, typer.Option("--data-dir", help="state directory "
-                                              "[env LOOPWATCH_DATA_DIR]")]
 WaitTimeout = Annotated[float, typer.Option(
     "--wait-timeout", help="seconds to wait for everything to be stored")]
-
-
-def _settings(data_dir: Path | None) -> Settings:
-    try:
-        return load_settings(data_dir=data_dir)
-    except ValidationError as exc:
-        for error in exc.errors():
-            where = ".".join(str(part) for part in error["loc"])
-            console.print(f"[red]invalid setting {where}:[/red] {error['msg']}")
-        raise typer.Exit(2) from None
 
 
 def serve(
@@ -51,7 +37,7 @@ def serve(
     from loopwatch.store.reader import running_service
     from loopwatch.topics import ensure_topics
 
-    settings = _settings(data_dir)
+    settings = settings_from(data_dir)
     try:
         limits = load_otlp_settings(host=host, port=port, token=token)
     except ValidationError as exc:
@@ -128,7 +114,7 @@ def file(
     from ingest.importers.jsonl import read_jsonl
     from ingest.importers.records import file_digest
 
-    settings = _settings(data_dir)
+    settings = settings_from(data_dir)
     _run_import(settings, path, read_jsonl(path, file_digest(path)), wait_timeout)
 
 
@@ -162,7 +148,7 @@ def transcript(
     if format != "openai-chat":
         console.print(f"[red]unknown --format {format!r}[/red]; supported: openai-chat")
         raise typer.Exit(2)
-    settings = _settings(data_dir)
+    settings = settings_from(data_dir)
     options = TranscriptOptions(
         agent=agent, messages_key=messages_key, run_id_key=run_id_key,
         task_id_key=task_id_key, outcome_key=outcome_key, reward_threshold=reward_threshold,

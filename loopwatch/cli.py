@@ -10,11 +10,10 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from loopwatch.config import Settings, load_settings
+from loopwatch.cliargs import DataDir, JsonFlag, console, settings_from
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Streaming observability and anomaly detection for LLM agent fleets.")
@@ -23,22 +22,7 @@ app.add_typer(dlq_app, name="dlq")
 scenario_app = typer.Typer(no_args_is_help=True,
                            help="Incident scenarios: inject failure modes, score the alerting.")
 app.add_typer(scenario_app, name="scenario")
-console = Console(stderr=True, soft_wrap=True)
 out = Console()
-
-DataDir = Annotated[Path | None, typer.Option("--data-dir", help="state directory "
-                                              "[env LOOPWATCH_DATA_DIR]")]
-JsonFlag = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]
-
-
-def settings_from(data_dir: Path | None, **overrides: Any) -> Settings:
-    try:
-        return load_settings(data_dir=data_dir, **overrides)
-    except ValidationError as exc:
-        for error in exc.errors():
-            where = ".".join(str(part) for part in error["loc"])
-            console.print(f"[red]invalid setting {where}:[/red] {error['msg']}")
-        raise typer.Exit(2) from None
 
 
 def print_table(columns: list[str], rows: list[list[Any]], title: str | None = None) -> None:

@@ -8,6 +8,7 @@ through its service (:mod:`loopwatch.store.service`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from importlib import resources
 from typing import Any
 from urllib.parse import urlparse
@@ -30,6 +31,18 @@ class QueryResult:
 
     def scalar(self) -> Any:
         return self.rows[0][0] if self.rows and self.rows[0] else None
+
+
+def clickhouse_time(value: datetime) -> str:
+    """A datetime as ClickHouse parses a DateTime64 parameter or JSON value: UTC, no offset.
+
+    >>> from datetime import UTC, timedelta, timezone
+    >>> clickhouse_time(datetime(2026, 1, 1, 13, tzinfo=timezone(timedelta(hours=1))))
+    '2026-01-01 12:00:00.000'
+    """
+    if value.tzinfo is not None:
+        value = value.astimezone(UTC).replace(tzinfo=None)
+    return value.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
 
 
 def connect(settings: Settings, database: str | None = None) -> Client:

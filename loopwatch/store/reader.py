@@ -9,14 +9,20 @@ from __future__ import annotations
 import os
 import urllib.error
 import urllib.request
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, Protocol
 
 import orjson
 from clickhouse_connect.driver.client import Client
 
 from loopwatch.config import Settings
-from loopwatch.store.clickhouse import QueryResult, connect, migrate, run_query
+from loopwatch.store.clickhouse import (
+    QueryResult,
+    clickhouse_time,
+    connect,
+    migrate,
+    run_query,
+)
 
 
 class QueryError(RuntimeError):
@@ -67,12 +73,8 @@ class ServiceReader:
 
 
 def _wire_value(value: Any) -> Any:
-    """Datetimes cross the wire as ClickHouse reads them: UTC, no offset suffix."""
-    if isinstance(value, datetime):
-        if value.tzinfo is not None:
-            value = value.astimezone(UTC).replace(tzinfo=None)
-        return value.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
-    return value
+    """Datetimes cross the wire as ClickHouse reads them."""
+    return clickhouse_time(value) if isinstance(value, datetime) else value
 
 
 def _alive(pid: int) -> bool:

@@ -8,20 +8,19 @@ a worker that acks its Kafka batch afterwards keeps "offsets after the store".
 from __future__ import annotations
 
 import uuid
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import orjson
 
+from loopwatch.store.clickhouse import clickhouse_time
 from loopwatch.store.reader import ServiceReader
 from processors.sink import RowBatch
 
 
 def _json_value(value: Any) -> Any:
     if isinstance(value, datetime):
-        if value.tzinfo is not None:
-            value = value.astimezone(UTC).replace(tzinfo=None)
-        return value.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+        return clickhouse_time(value)
     if isinstance(value, uuid.UUID):
         return str(value)
     raise TypeError(f"cannot send {type(value).__name__}")

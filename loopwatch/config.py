@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -106,6 +106,35 @@ class Settings(BaseSettings):
     service_host: str = "127.0.0.1"
     service_port: int = Field(0, ge=0, le=65535, description="0 = a free port")
     session_timeout_s: float = Field(10.0, gt=0)
+
+    # -- capture and replay (docs/capture.md) --------------------------------------
+    captures_topic: str = "loopwatch.captures"
+    capture: Literal["off", "failures", "all"] = Field(
+        "failures", description="which runs keep their prompt/response/tool payloads")
+    capture_success_sample: float = Field(
+        0.1, ge=0, le=1, description="share of successful runs kept under capture=failures")
+    capture_max_part_bytes: int = Field(
+        256 * 1024, ge=1024, description="a larger prompt/response/args/output is truncated")
+    capture_retention_days: int = Field(30, ge=1, description="kept payloads live this long")
+    capture_decide_interval_s: float = Field(
+        10.0, gt=0, description="how often closed runs get their capture decision")
+    redact: list[str] = Field(
+        default_factory=lambda: ["email", "api_key", "bearer_token", "card_number"],
+        description="built-in redaction patterns applied before anything leaves the emitter")
+    redact_extra: dict[str, str] = Field(
+        default_factory=dict, description="more patterns: name -> regular expression")
+    engineer_usd_per_hour: float = Field(
+        120.0, ge=0, description="trace economics: the engineer waiting on re-runs")
+    storage_usd_per_gb_month: float = Field(
+        0.10, ge=0, description="trace economics: what a stored compressed GB costs")
+
+    # -- retention and security (docs/operations.md) ---------------------------------
+    retention_days: dict[str, int] = Field(
+        default_factory=dict, description="per-table TTL overrides, table -> days")
+    data_dir_max_bytes: int | None = Field(
+        None, ge=1024 * 1024, description="cap on the data dir; oldest partitions dropped first")
+    web_token: str | None = Field(
+        None, description="require `Authorization: Bearer <token>` on the web view")
 
     @field_validator("clickhouse_url")
     @classmethod

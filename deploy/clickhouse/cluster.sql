@@ -324,6 +324,100 @@ TTL toDateTime(ts) + INTERVAL 30 DAY;
 CREATE TABLE IF NOT EXISTS loopwatch.pipeline_gauges ON CLUSTER loopwatch AS loopwatch.pipeline_gauges_local
 ENGINE = Distributed('loopwatch', 'loopwatch', 'pipeline_gauges_local', cityHash64(name, ts));
 
+CREATE TABLE IF NOT EXISTS loopwatch.capture_staging_blobs_local ON CLUSTER loopwatch
+(
+    hash        String,
+    encoding    LowCardinality(String),
+    body        String CODEC(ZSTD(6)),
+    bytes       UInt32,
+    staged_at   DateTime64(3, 'UTC')
+)
+ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
+ORDER BY hash
+TTL toDateTime(staged_at) + INTERVAL 7 DAY;
+
+CREATE TABLE IF NOT EXISTS loopwatch.capture_staging_blobs ON CLUSTER loopwatch AS loopwatch.capture_staging_blobs_local
+ENGINE = Distributed('loopwatch', 'loopwatch', 'capture_staging_blobs_local', cityHash64(hash));
+
+CREATE TABLE IF NOT EXISTS loopwatch.capture_staging_local ON CLUSTER loopwatch
+(
+    event_id    UUID,
+    run_id      String,
+    agent       LowCardinality(String),
+    ts          DateTime64(3, 'UTC'),
+    event_type  LowCardinality(String),
+    step        Nullable(UInt32),
+    tool        String,
+    part        LowCardinality(String),
+    encoding    LowCardinality(String),
+    hashes      Array(String),
+    bytes       UInt64,
+    truncated   UInt8,
+    redactions  UInt32,
+    staged_at   DateTime64(3, 'UTC')
+)
+ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
+ORDER BY (run_id, event_id, part)
+TTL toDateTime(staged_at) + INTERVAL 7 DAY;
+
+CREATE TABLE IF NOT EXISTS loopwatch.capture_staging ON CLUSTER loopwatch AS loopwatch.capture_staging_local
+ENGINE = Distributed('loopwatch', 'loopwatch', 'capture_staging_local', cityHash64(run_id));
+
+CREATE TABLE IF NOT EXISTS loopwatch.capture_blobs_local ON CLUSTER loopwatch
+(
+    hash        String,
+    encoding    LowCardinality(String),
+    body        String CODEC(ZSTD(6)),
+    bytes       UInt32,
+    kept_at     DateTime64(3, 'UTC')
+)
+ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}', kept_at)
+ORDER BY hash;
+
+CREATE TABLE IF NOT EXISTS loopwatch.capture_blobs ON CLUSTER loopwatch AS loopwatch.capture_blobs_local
+ENGINE = Distributed('loopwatch', 'loopwatch', 'capture_blobs_local', cityHash64(hash));
+
+CREATE TABLE IF NOT EXISTS loopwatch.capture_parts_local ON CLUSTER loopwatch
+(
+    event_id    UUID,
+    run_id      String,
+    agent       LowCardinality(String),
+    ts          DateTime64(3, 'UTC'),
+    event_type  LowCardinality(String),
+    step        Nullable(UInt32),
+    tool        String,
+    part        LowCardinality(String),
+    encoding    LowCardinality(String),
+    hashes      Array(String),
+    bytes       UInt64,
+    truncated   UInt8,
+    redactions  UInt32,
+    kept_at     DateTime64(3, 'UTC')
+)
+ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
+PARTITION BY toYYYYMM(ts)
+ORDER BY (run_id, event_id, part);
+
+CREATE TABLE IF NOT EXISTS loopwatch.capture_parts ON CLUSTER loopwatch AS loopwatch.capture_parts_local
+ENGINE = Distributed('loopwatch', 'loopwatch', 'capture_parts_local', cityHash64(run_id));
+
+CREATE TABLE IF NOT EXISTS loopwatch.capture_decisions_local ON CLUSTER loopwatch
+(
+    run_id      String,
+    agent       LowCardinality(String),
+    outcome     LowCardinality(String),
+    keep        UInt8,
+    reason      String,
+    parts       UInt32,
+    bytes       UInt64,
+    decided_at  DateTime64(3, 'UTC')
+)
+ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}', decided_at)
+ORDER BY run_id;
+
+CREATE TABLE IF NOT EXISTS loopwatch.capture_decisions ON CLUSTER loopwatch AS loopwatch.capture_decisions_local
+ENGINE = Distributed('loopwatch', 'loopwatch', 'capture_decisions_local', cityHash64(run_id));
+
 -- retention
 --   events: 30 days by ts (raw events (replay, reprocess, investigations))
 --   dead_letters: 30 days by received_at (refused raw input)
@@ -334,6 +428,9 @@ ENGINE = Distributed('loopwatch', 'loopwatch', 'pipeline_gauges_local', cityHash
 --   annotations: 180 days by ts (derived: deploys, model and prompt changes)
 --   alerts: 180 days by started_at (derived: alert history)
 --   rule_evaluations: 180 days by evaluated_at (derived: latest evaluations)
+--   capture_parts: 30 days by kept_at (captured payloads of kept runs (replay))
+--   capture_blobs: 30 days by kept_at (captured bodies, once per content hash)
+--   capture_decisions: 30 days by decided_at (why a run's payloads were kept)
 
 ALTER TABLE loopwatch.events_local ON CLUSTER loopwatch MODIFY TTL toDateTime(ts) + INTERVAL 30 DAY;
 
@@ -352,3 +449,9 @@ ALTER TABLE loopwatch.dead_letters_local ON CLUSTER loopwatch MODIFY TTL toDateT
 ALTER TABLE loopwatch.alerts_local ON CLUSTER loopwatch MODIFY TTL toDateTime(started_at) + INTERVAL 180 DAY;
 
 ALTER TABLE loopwatch.rule_evaluations_local ON CLUSTER loopwatch MODIFY TTL toDateTime(evaluated_at) + INTERVAL 180 DAY;
+
+ALTER TABLE loopwatch.capture_blobs_local ON CLUSTER loopwatch MODIFY TTL toDateTime(kept_at) + INTERVAL 30 DAY;
+
+ALTER TABLE loopwatch.capture_parts_local ON CLUSTER loopwatch MODIFY TTL toDateTime(kept_at) + INTERVAL 30 DAY;
+
+ALTER TABLE loopwatch.capture_decisions_local ON CLUSTER loopwatch MODIFY TTL toDateTime(decided_at) + INTERVAL 30 DAY;

@@ -43,7 +43,8 @@ LOCAL_SUFFIX = "_local"
 #: Sharding keys that differ from the default (``run_id``, else the ORDER BY columns).
 #: ``dead_letters`` has a ``run_id`` (often empty), but its rows are replaced by ``id``,
 #: and a replaced row must land on the shard of the row it replaces.
-SHARDING_KEYS: dict[str, str] = {"dead_letters": "id"}
+SHARDING_KEYS: dict[str, str] = {
+    "dead_letters": "id", "capture_blobs": "hash", "capture_staging_blobs": "hash"}
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,9 @@ RETENTION: dict[str, Retention] = {
     "annotations": Retention("ts", DERIVED_DAYS, "derived: deploys, model and prompt changes"),
     "alerts": Retention("started_at", DERIVED_DAYS, "derived: alert history"),
     "rule_evaluations": Retention("evaluated_at", DERIVED_DAYS, "derived: latest evaluations"),
+    "capture_parts": Retention("kept_at", RAW_DAYS, "captured payloads of kept runs (replay)"),
+    "capture_blobs": Retention("kept_at", RAW_DAYS, "captured bodies, once per content hash"),
+    "capture_decisions": Retention("decided_at", RAW_DAYS, "why a run's payloads were kept"),
 }
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

@@ -12,10 +12,12 @@ to the baseline measured in the same run; the machine is shared):
   beginning, ``orjson.loads`` of every message and its envelope: first fetched batch to
   the N-th event.
 * ``pipeline_events_per_s``: a real ``loopwatch up`` child (fresh data dir) on the filled
-  topic: from the first poll that sees an event stored to the one that sees the N-th
-  (``count()``, then ``uniqExact(event_id)`` in ``events``, polled every 0.25 s; the
-  window opens at the last poll that saw nothing stored), so start-up and the group
-  join are excluded (detectors at their default interval). ``workers["2"]``: a second
+  topic: from the first event consumed to the N-th stored (``count()``, then
+  ``uniqExact(event_id)`` in ``events``, polled every 0.25 s; the window opens at the
+  last poll at which the child had neither consumed a message (its ``messages``
+  counter) nor stored an event), so start-up and the group join are excluded
+  (detectors at their default interval). Opening at the first *stored* event instead
+  would leave the whole first batch's processing outside the window. ``workers["2"]``: a second
   ``up`` (own consumer group, fresh store, same topic) plus a ``loopwatch worker`` in its
   group; a rebalance while the two join can fall inside the window. The processor's
   log is summarised on stderr (timer overruns, full changelog producer buffer).
@@ -176,9 +178,10 @@ def measure_processing(up: UpProcess, already: int, target: int, progress: Progr
                        timeout_s: float = 1800) -> dict[str, float]:
     """Poll until ``target`` distinct events are stored (``already`` were there before).
 
-    The window opens at the last poll that saw nothing new (so start-up and the group
-    join stay out, give or take one poll interval) and closes at the poll that sees the
-    target; also returns the longest stretch without progress inside it.
+    The window opens at the last poll that saw nothing consumed and nothing new stored
+    (so start-up and the group join stay out, give or take one poll interval) and
+    closes at the poll that sees the target; also returns the longest stretch without
+    progress inside it.
     """
     deadline = time.monotonic() + timeout_s
     opened: float | None = None
@@ -194,7 +197,7 @@ def measure_processing(up: UpProcess, already: int, target: int, progress: Progr
         if stored >= target:
             stored = _stored(up, exact=True)
         if opened is None:
-            if stored > already:
+            if stored > already or up.health()["counters"]["messages"] > 0:
                 opened = last_change = before
             before = now
         if opened is not None and stored != previous:
@@ -232,6 +235,16 @@ def stored_bytes(up: UpProcess) -> float:
         "SELECT sum(data_compressed_bytes) FROM system.parts "
         "WHERE database = 'loopwatch' AND active").scalar()
     return float(compressed or 0)
+
+
+def stored_bytes_breakdown(up: UpProcess, events: int, top: int = 8) -> str:
+    """The biggest columns by compressed bytes per event (what to shrink next)."""
+    rows = up.reader.query(
+        "SELECT table, name, sum(data_compressed_bytes) AS bytes FROM system.columns "
+        "WHERE database = 'loopwatch' GROUP BY table, name ORDER BY bytes DESC "
+        f"LIMIT {int(top)}").rows
+    return ", ".join(f"{table}.{name} {float(size) / max(events, 1):.1f}"
+                     for table, name, size in rows)
 
 
 def bulk_load(data_dir: Path, events: int, seed: int) -> int:
@@ -398,6 +411,8 @@ def run_bench(events: int, workers: int, query_events: int,
                 result["processor_peak_rss_mb"] = None if hwm is None else hwm / 2**20
                 total = _stored(up, exact=False)
                 result["stored_bytes_per_event"] = stored_bytes(up) / max(total, 1)
+                note("stored bytes per event, biggest columns: "
+                     + stored_bytes_breakdown(up, total))
                 progress("query latency")
                 result["query_latency_s"] = query_latencies(up)
             result["ratio"] = result["pipeline_events_per_s"] / result["raw_consume_events_per_s"]

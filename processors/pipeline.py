@@ -6,12 +6,20 @@ dead letter (table row + dead-letter topic) with its reason, and is counted.
 
 Time is event time. The watermark is the newest event time seen minus the late
 allowance; when no event has arrived for ``idle_advance_s`` it follows the wall clock,
-so an idle fleet still abandons its stuck runs.
+so an idle fleet still abandons its stuck runs. An event stamped further ahead of the
+wall clock than ``max_clock_skew_s`` is stored but does not move event time: one agent
+with a broken clock must not abandon every open run of the fleet.
+
+The sweep does not scan every state: each run the pipeline stores is filed under its
+next deadline (abandonment while open, forgetting once closed) in coarse buckets of
+event time, and a sweep only visits the buckets the watermark has passed. The index is
+rebuilt from the store when the owner says the state changed under it (a rebalance).
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -58,6 +66,11 @@ class RunStore(Protocol):
         ...
 
 
+#: width of a deadline bucket (event-time ms): a sweep revisits at most one bucket's
+#: runs that are not due yet
+DEADLINE_BUCKET_MS = 10_000
+
+
 @dataclass
 class Counters:
     messages: int = 0
@@ -68,6 +81,8 @@ class Counters:
     runs_abandoned: int = 0
     runs_revised: int = 0
     cost_mismatches: int = 0
+    #: events stamped beyond the clock + max_clock_skew_s: kept, but event time ignores them
+    future_events: int = 0
 
 
 @dataclass
@@ -95,6 +110,11 @@ class Pipeline:
         self.counters = Counters()
         self.max_event_ms = 0
         self.last_event_wall = clock()
+        self._label_window_ms = int(settings.label_window_s * 1000)
+        self._due: dict[int, set[str]] = {}
+        self._bucket_of: dict[str, int] = {}
+        self._buckets: list[int] = []
+        self._index_stale = True
 
     def watermark_ms(self) -> int:
         late_ms = int(self.settings.late_allowance_s * 1000)
@@ -106,18 +126,34 @@ class Pipeline:
 
     def process(self, messages: list[RawMessage]) -> Work:
         """Decode, fold into run state, and build every row the batch implies."""
+        touched: dict[str, RunState] = {}
+        work = self.fold(messages, touched)
+        work.rows.extend(self.settle(touched).rows)
+        return work
+
+    def fold(self, messages: list[RawMessage], touched: dict[str, RunState]) -> Work:
+        """Decode and fold into the states in ``touched`` (filled from the store as runs
+        appear), without storing them: several folds can share one :meth:`settle`, so
+        a run touched by many chunks of a batch is changelogged and written once."""
         work = Work()
         now = datetime.now(UTC)
-        touched: dict[str, RunState] = {}
         for message in messages:
             self.counters.messages += 1
             decoded = decode_message(message.value, self.settings.max_message_bytes)
             for index, letter in enumerate(decoded.dead):
                 self._dead_letter(work, message, index, letter, now)
-            for event in decoded.events:
-                self._handle_event(work, touched, message, event, now)
+            if decoded.events:
+                self.last_event_wall = self.clock()
+            raws = decoded.raw or [None] * len(decoded.events)
+            for event, raw in zip(decoded.events, raws, strict=True):
+                self._handle_event(work, touched, message, event, raw, now)
+        return work
+
+    def settle(self, touched: dict[str, RunState]) -> Work:
+        """Store the folded states (changelog) and build their ``runs`` rows."""
+        work = Work()
         for state in touched.values():
-            self.store.put(state)
+            self._put(state)
             work.rows.add("runs", rows.run_row(state))
         return work
 
@@ -125,16 +161,69 @@ class Pipeline:
         """Abandon runs past their TTL (event time); forget closed runs past the label window."""
         work = Work()
         mark = self.watermark_ms()
-        label_window_ms = int(self.settings.label_window_s * 1000)
-        for state in list(self.store.states()):
+        if self._index_stale:
+            self._reindex()
+        limit = mark // DEADLINE_BUCKET_MS
+        due: list[str] = []
+        while self._buckets and self._buckets[0] <= limit:
+            members = self._due.pop(heapq.heappop(self._buckets), None)
+            if members:
+                for run_id in members:
+                    del self._bucket_of[run_id]
+                due.extend(members)
+        for run_id in due:
+            state = self.store.get(run_id)
+            if state is None:
+                continue
             if abandon_if_expired(state, mark, self.abandon_ttl_ms(state)):
                 self.counters.runs_abandoned += 1
                 self.counters.runs_closed += 1
-                self.store.put(state)
+                self._put(state)
                 work.rows.add("runs", rows.run_row(state))
-            elif state.closed and (state.closed_ms or 0) + label_window_ms < mark:
+            elif state.closed and (state.closed_ms or 0) + self._label_window_ms < mark:
                 self.store.delete(state)
+            else:
+                self._file(state)  # not due yet (a partly passed bucket)
         return work
+
+    def invalidate_index(self) -> None:
+        """The store changed behind the pipeline's back (partitions assigned, changelog
+        recovered): the next sweep rebuilds the deadline index from ``store.states()``."""
+        self._index_stale = True
+
+    def _reindex(self) -> None:
+        self._due.clear()
+        self._bucket_of.clear()
+        self._buckets.clear()
+        for state in self.store.states():
+            self._file(state)
+        self._index_stale = False
+
+    def _put(self, state: RunState) -> None:
+        self.store.put(state)
+        self._file(state)
+
+    def _file(self, state: RunState) -> None:
+        """File a run under the bucket of its next deadline (moving it if that changed)."""
+        if state.closed:
+            deadline = (state.closed_ms or 0) + self._label_window_ms + 1
+        else:
+            deadline = state.last_ms + self.abandon_ttl_ms(state)
+        bucket = deadline // DEADLINE_BUCKET_MS
+        run_id = state.run_id
+        old = self._bucket_of.get(run_id)
+        if old == bucket:
+            return
+        if old is not None:
+            previous = self._due.get(old)
+            if previous is not None:
+                previous.discard(run_id)
+        members = self._due.get(bucket)
+        if members is None:
+            members = self._due[bucket] = set()
+            heapq.heappush(self._buckets, bucket)
+        members.add(run_id)
+        self._bucket_of[run_id] = bucket
 
     def abandon_ttl_ms(self, state: RunState) -> int:
         """Per task_type if configured, else 2 x the run's declared time cap, else default."""
@@ -150,7 +239,7 @@ class Pipeline:
         adopted = 0
         for state in states:
             if self.store.get(state.run_id) is None:
-                self.store.put(state)
+                self._put(state)
                 adopted += 1
         return adopted
 
@@ -185,12 +274,17 @@ class Pipeline:
         touched: dict[str, RunState],
         message: RawMessage,
         event: EventBase,
+        raw: bytes | None,
         now: datetime,
     ) -> None:
         self.counters.events += 1
-        self.max_event_ms = max(self.max_event_ms, ms(event))
-        self.last_event_wall = self.clock()
-        work.rows.add("events", rows.event_row(event, message.partition, message.offset, now))
+        event_ms = ms(event)
+        if event_ms <= (self.clock() + self.settings.max_clock_skew_s) * 1000:
+            self.max_event_ms = max(self.max_event_ms, event_ms)
+        else:
+            self.counters.future_events += 1
+        work.rows.add("events",
+                      rows.event_row(event, message.partition, message.offset, now, raw))
         if isinstance(event, Annotation):
             work.rows.add("annotations", rows.annotation_row(event))
             return

@@ -7,7 +7,8 @@ from typing import Any
 
 import orjson
 
-from ingest.events import Annotation, EventBase, Label, LlmCall, ToolCall
+from ingest.events import EVENT_TYPES, Annotation, EventBase, Label, LlmCall, ToolCall
+from ingest.wire import payload_json
 from processors.pricing import PricedCall
 from processors.runs import RunState
 
@@ -19,11 +20,19 @@ def utc_ms(epoch_ms: int | None) -> datetime | None:
     return None if epoch_ms is None else datetime.fromtimestamp(epoch_ms / 1000, tz=UTC)
 
 
-def event_row(event: EventBase, partition: int, offset: int, now: datetime) -> dict[str, Any]:
-    payload = event.model_dump(mode="json", exclude_none=True)
+_EVENT_TYPE: dict[type[EventBase], str] = {
+    kind: str(kind.model_fields["event_type"].default) for kind in EVENT_TYPES
+}
+
+
+def event_row(event: EventBase, partition: int, offset: int, now: datetime,
+              raw: bytes | None = None) -> dict[str, Any]:
+    """``raw``: the event's incoming JSON, stored as the payload when it is complete
+    (re-serialising the model was a third of the per-event cost)."""
+    extra = event.__pydantic_extra__
     return {
         "event_id": event.event_id,
-        "event_type": payload["event_type"],
+        "event_type": _EVENT_TYPE[type(event)],
         "schema_version": event.schema_version,
         "ts": event.ts,
         "run_id": event.run_id,
@@ -32,8 +41,9 @@ def event_row(event: EventBase, partition: int, offset: int, now: datetime) -> d
         "parent_span_id": event.parent_span_id or "",
         "agent": event.agent,
         **{name: getattr(event, name) for name in ENVELOPE_COLUMNS},
-        "payload": orjson.dumps(payload).decode(),
-        "extras": {key: orjson.dumps(value).decode() for key, value in event.extras.items()},
+        "payload": payload_json(event, raw).decode(),
+        "extras": {key: orjson.dumps(value).decode() for key, value in extra.items()}
+        if extra else {},
         "kafka_partition": partition,
         "kafka_offset": offset,
         "ingested_at": now,

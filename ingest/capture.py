@@ -84,6 +84,20 @@ def blob_hash(encoding: str, body: str) -> str:
     return hashlib.sha256(encoding.encode() + b"\0" + body.encode()).hexdigest()
 
 
+def part_hash(ref: PartRef) -> str:
+    """One hash for a whole part (what an event's ``prompt_hash``/``response_hash`` says):
+    the blob's hash for a one-blob part, else :func:`blob_hash` over the encoding and
+    the blob hashes joined by newlines, so equal parts hash equal however they arrive.
+
+    >>> ref, _ = encode_part("hi", max_bytes=1024)
+    >>> part_hash(ref) == blob_hash("text", "hi")
+    True
+    """
+    if len(ref.hashes) == 1 and ref.encoding != "messages":
+        return ref.hashes[0]
+    return blob_hash(ref.encoding, "\n".join(ref.hashes))
+
+
 def _is_messages(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(
         isinstance(item, dict) for item in value)
@@ -115,7 +129,8 @@ def encode_part(value: Any, max_bytes: int, redact: Redact | None = None
         encoding, items = "text", [("text", value)]
     elif _is_messages(value):
         encoding = "messages"
-        items = [("json", orjson.dumps(item, option=orjson.OPT_NON_STR_KEYS).decode())
+        items = [("json", orjson.dumps(item, option=orjson.OPT_NON_STR_KEYS,
+                                       default=str).decode())
                  for item in value]
     else:
         encoding = "json"

@@ -15,6 +15,15 @@ with kafka-python, so the agent's loop never waits on the network. Events for on
 partition travel together in an envelope (the partition is chosen from ``run_id``, so
 a run's events stay ordered). When the broker cannot take them they go to a bounded
 on-disk spool and are resent later; ``event_id`` makes a resend harmless.
+
+Capture (docs/capture.md): ``llm_call(prompt=..., response=...)`` and
+``tool_call(tool, args=..., output=...)`` also record the bodies. They are redacted,
+split into content-addressed parts and serialised in the caller (so the caller may
+change its message list right after), and the event keeps only hashes and sizes. The
+bodies travel as one capture message per call on their own topic (key ``run_id``, the
+same partitioner), sent by the same background thread, unless ``capture="off"``.
+Which runs keep them is decided downstream. Strings in an event's extras (and its
+free-text fields) are redacted too, since they leave the process as well.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from kafka import KafkaProducer
 from kafka.errors import KafkaError
 from kafka.partitioner.default import murmur2
 
+from ingest.capture import CaptureMessage, Redact, build_capture_message, part_hash
 from ingest.events import (
     Annotation,
     EventBase,
@@ -50,14 +60,23 @@ from ingest.events import (
     ToolCall,
     canonical_args_hash,
 )
+from ingest.redact import Redactor
 from ingest.spool import DiskSpool
 from ingest.wire import ENVELOPE_VERSION
+
+#: ``{"envelope_version":1,"events":[...]}`` around a message's events
+ENVELOPE_OVERHEAD_BYTES = 64
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 CONTEXT_FIELDS = ("agent", "agent_version", "task_type", "model", "prompt_version",
                   "deployment", "traffic_slice", "worker_id")
+#: Free-text fields of the contract that can carry what a user typed or a tool said.
+FREE_TEXT_FIELDS = ("error_type", "stop_reason", "message", "old_value", "new_value")
+CAPTURE_MODES = ("off", "failures", "all")
+#: A spooled capture message is ``@<topic> <message>``: no event line starts with ``@``.
+SPOOL_TOPIC_MARK = b"@"
 
 
 def partition_for(run_id: str, partitions: int) -> int:
@@ -77,6 +96,21 @@ class EmitterStats:
     spooled: int = 0
     resent: int = 0
     send_errors: int = 0
+    event_bytes: int = 0
+    captures: int = 0
+    capture_bytes: int = 0
+    captures_sent: int = 0
+    captures_dropped: int = 0
+    capture_errors: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """One message for a topic other than the events topic (a capture message)."""
+
+    topic: str
+    run_id: str
+    value: bytes
 
 
 class Emitter:
@@ -93,9 +127,19 @@ class Emitter:
         linger_s: float = 0.02,
         max_message_bytes: int = 900_000,
         producer_config: dict[str, Any] | None = None,
+        capture: str = "failures",
+        redactor: Redact | None = None,
+        captures_topic: str = "loopwatch.captures",
+        max_part_bytes: int = 256 * 1024,
     ) -> None:
+        if capture not in CAPTURE_MODES:
+            raise ValueError(f"capture must be one of {', '.join(CAPTURE_MODES)}: {capture!r}")
         self.bootstrap = bootstrap
         self.topic = topic
+        self.capture = capture
+        self.redactor: Redact = redactor if redactor is not None else Redactor()
+        self.captures_topic = captures_topic
+        self.max_part_bytes = max_part_bytes
         self.stats = EmitterStats()
         self.spool = DiskSpool(
             spool_dir or Path.home() / ".local/share/loopwatch/spool" / uuid.uuid4().hex,
@@ -113,9 +157,10 @@ class Emitter:
             "request_timeout_ms": 10_000,
             **(producer_config or {}),
         }
-        self._queue: queue.Queue[bytes | None] = queue.Queue()
+        self._queue: queue.Queue[bytes | Outgoing | None] = queue.Queue()
         self._producer: KafkaProducer | None = None
         self._partitions: int | None = None
+        self._topic_partitions: dict[str, tuple[int | None, float]] = {}
         self._outstanding = 0
         self._outstanding_lock = threading.Lock()
         self._closed = False
@@ -130,21 +175,80 @@ class Emitter:
         """Queue one validated event; never blocks on the network."""
         if self._closed:
             raise RuntimeError("emitter is closed")
-        self._enqueue([orjson.dumps(event.model_dump(mode="json", exclude_none=True))])
+        data = event.model_dump(mode="json", exclude_none=True)
+        if event.model_extra or any(name in data for name in FREE_TEXT_FIELDS):
+            self._redact_fields(event, data)
+        self._enqueue([orjson.dumps(data)])
+
+    def _redact_fields(self, event: EventBase, data: dict[str, Any]) -> None:
+        """Redact the strings of an event's extras and free-text fields in place."""
+        for name in (*(event.model_extra or {}), *FREE_TEXT_FIELDS):
+            value = data.get(name)
+            if isinstance(value, str | list | dict):
+                data[name], _ = self.redactor(value)
+
+    def capture_message(self, event: EventBase, values: dict[str, Any]) -> CaptureMessage:
+        """The bodies of ``event`` as a capture message: redacted, split, hashed.
+
+        Serialised here, in the caller, so later changes to the caller's objects do not
+        reach what is sent. A message over the emitter's message size is rebuilt with
+        smaller parts (each then flagged ``truncated``), so the broker never refuses it.
+        """
+        limit = self.max_part_bytes
+        while True:
+            message = build_capture_message(
+                event_id=str(event.event_id), run_id=event.run_id, agent=event.agent,
+                ts=event.ts.isoformat().replace("+00:00", "Z"),
+                event_type=str(getattr(event, "event_type", "")),
+                step=getattr(event, "step", None), tool=getattr(event, "tool", None),
+                values=values, max_part_bytes=limit, redact=self.redactor)
+            if self.capture == "off" or limit <= 1024:
+                return message
+            size = sum(len(blob.body) for blob in message.blobs.values())
+            if size + 4096 <= self._max_message_bytes:
+                return message
+            limit = max(1024, limit * self._max_message_bytes // (2 * size))
+
+    def send_capture(self, message: CaptureMessage) -> None:
+        """Queue a capture message for the captures topic (unless ``capture="off"``)."""
+        if self.capture == "off":
+            return
+        if self._closed:
+            raise RuntimeError("emitter is closed")
+        value = message.__pydantic_serializer__.to_json(message)
+        with self._outstanding_lock:
+            self._outstanding += 1
+        self.stats.captures += 1
+        self.stats.capture_bytes += len(value)
+        self._queue.put(Outgoing(self.captures_topic, message.run_id, value))
 
     def emit_raw(self, lines: list[bytes]) -> None:
-        """Queue already-encoded events (used by ``dlq replay`` and importers)."""
+        """Queue already-encoded events (used by ``dlq replay`` and importers).
+
+        Each line must be a JSON object with a string ``run_id`` (the partition key);
+        anything else is refused here, at the call, rather than in the sender thread.
+        """
+        for line in lines:
+            try:
+                run_id = orjson.loads(line).get("run_id", "")
+            except (orjson.JSONDecodeError, AttributeError):
+                raise ValueError("emit_raw takes JSON objects, one per line") from None
+            if not isinstance(run_id, str):
+                raise ValueError(f"run_id must be a string, not {type(run_id).__name__}")
         self._enqueue(lines)
 
-    def send_and_wait(self, events: Sequence[EventBase | bytes], timeout_s: float = 10.0) -> None:
+    def send_and_wait(self, events: Sequence[EventBase | bytes], timeout_s: float = 10.0,
+                      captures: Sequence[CaptureMessage] = ()) -> None:
         """Send now from the caller's thread; return once the broker acknowledged all.
 
         For callers that must not answer before the data is durable (the OTLP receiver
         answers 200 only after this returns). ``bytes`` are already-encoded JSON objects
         with a ``run_id``. Events are grouped by partition into envelopes as
-        :meth:`emit` does. Nothing is spooled: on failure this raises (``KafkaError``,
-        or ``KafkaTimeoutError`` after ``timeout_s``) and the caller, who still holds the
-        data, decides; resending is harmless as ``event_id`` deduplicates.
+        :meth:`emit` does; ``captures`` go to the captures topic, one message each,
+        and are acknowledged before this returns too. Nothing is spooled: on failure
+        this raises (``KafkaError``, or ``KafkaTimeoutError`` after ``timeout_s``) and the
+        caller, who still holds the data, decides; resending is harmless as ``event_id``
+        deduplicates.
         """
         with self.__dict__.setdefault("_connect_lock", threading.Lock()):
             if not self._connect():
@@ -174,17 +278,36 @@ class Emitter:
                     + b',"events":[' + b",".join(chunk) + b"]}")
                 futures.append((len(chunk), producer.send(
                     self.topic, value=value, key=keys[partition], partition=partition)))
+        if captures:
+            capture_partitions = producer.partitions_for(self.captures_topic)
+            if not capture_partitions:
+                raise KafkaError(f"topic {self.captures_topic} has no partitions")
+            for message in captures:
+                value = message.__pydantic_serializer__.to_json(message)
+                self.stats.capture_bytes += len(value)
+                futures.append((0, producer.send(
+                    self.captures_topic, value=value, key=message.run_id.encode(),
+                    partition=partition_for(message.run_id, len(capture_partitions)))))
         deadline = time.monotonic() + timeout_s
         for count, future in futures:
             future.get(timeout=max(0.001, deadline - time.monotonic()))
             self.stats.sent += count
             self.stats.messages += 1
+            self.stats.captures_sent += int(count == 0)
 
     def _enqueue(self, lines: list[bytes]) -> None:
+        """Refuse an event that could never be sent (over a message), then queue all."""
+        limit = self._max_message_bytes - ENVELOPE_OVERHEAD_BYTES
+        for line in lines:
+            if len(line) > limit:
+                raise ValueError(f"event of {len(line)} bytes is over the {limit}-byte limit "
+                                 "of one message; capture large bodies with prompt=/"
+                                 "response=/args=/output= instead")
         with self._outstanding_lock:
             self._outstanding += len(lines)
         self.stats.queued += len(lines)
         for line in lines:
+            self.stats.event_bytes += len(line)
             self._queue.put(line)
 
     @contextmanager
@@ -224,10 +347,22 @@ class Emitter:
             return self._outstanding
 
     def resend_spooled(self) -> int:
-        """Try to send what the spool holds now; returns how many events were re-queued."""
+        """Try to send what the spool holds now; returns how many messages were re-queued
+        (events, and capture messages, which go back to the topic they were bound for)."""
         lines = self.spool.take()
         self.stats.resent += len(lines)
-        self.emit_raw(lines)
+        events = [line for line in lines if not line.startswith(SPOOL_TOPIC_MARK)]
+        self.emit_raw(events)
+        for line in lines:
+            if line.startswith(SPOOL_TOPIC_MARK):
+                topic, _, value = line[1:].partition(b" ")
+                try:
+                    run_id = str(orjson.loads(value).get("run_id") or "")
+                except orjson.JSONDecodeError:
+                    continue
+                with self._outstanding_lock:
+                    self._outstanding += 1
+                self._queue.put(Outgoing(topic.decode(), run_id, value))
         return len(lines)
 
     def close(self, timeout_s: float = 30.0) -> None:
@@ -287,7 +422,7 @@ class Emitter:
                 self._send(batch)
             self._maybe_resend()
 
-    def _next(self, timeout: float) -> bytes | None:
+    def _next(self, timeout: float) -> bytes | Outgoing | None:
         try:
             return self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
         except queue.Empty:
@@ -301,14 +436,23 @@ class Emitter:
         if self._connect():
             self.resend_spooled()
 
-    def _send(self, lines: list[bytes]) -> None:
+    def _send(self, batch: list[bytes | Outgoing]) -> None:
+        lines = [item for item in batch if isinstance(item, bytes)]
+        outgoing = [item for item in batch if isinstance(item, Outgoing)]
+        if outgoing:
+            self._send_outgoing(outgoing)
+        if not lines:
+            return
         if not self._connect():
             self._to_spool(lines)
             return
         assert self._producer is not None and self._partitions is not None
         groups: dict[int, list[bytes]] = defaultdict(list)
         for line in lines:
-            run_id = orjson.loads(line).get("run_id") or ""
+            try:
+                run_id = str(orjson.loads(line).get("run_id") or "")
+            except (orjson.JSONDecodeError, AttributeError):
+                run_id = ""  # e.g. a damaged spool line: the processors dead-letter it
             groups[partition_for(run_id, self._partitions)].append(line)
         for partition, group in groups.items():
             for chunk in self._chunks(group):
@@ -355,6 +499,68 @@ class Emitter:
         future.add_callback(delivered)
         future.add_errback(failed)
 
+    def _partitions_of(self, topic: str) -> int | None:
+        """Partitions of another topic, remembered; a missing topic is asked again only
+        every 10 s, because asking blocks this thread (and the events) for up to
+        ``max_block_ms``."""
+        known, checked = self._topic_partitions.get(topic, (None, 0.0))
+        if known or time.monotonic() - checked < 10.0:
+            return known
+        assert self._producer is not None
+        try:
+            found = self._producer.partitions_for(topic)
+        except KafkaError as exc:
+            log.warning("topic %s unavailable (%s)", topic, exc)
+            found = None
+        count = len(found) if found else None
+        self._topic_partitions[topic] = (count, time.monotonic())
+        return count
+
+    def _send_outgoing(self, items: list[Outgoing]) -> None:
+        if not self._connect():
+            self._spool_outgoing(items)
+            return
+        assert self._producer is not None
+        for item in items:
+            partitions = self._partitions_of(item.topic)
+            if not partitions:
+                self._spool_outgoing([item])
+                continue
+            try:
+                future = self._producer.send(
+                    item.topic, value=item.value, key=item.run_id.encode(),
+                    partition=partition_for(item.run_id, partitions))
+            except KafkaError as exc:
+                self.stats.send_errors += 1
+                log.warning("send to %s failed (%s); spooling", item.topic, exc)
+                self._spool_outgoing([item])
+                continue
+            future.add_callback(self._delivered_outgoing)
+            future.add_errback(self._failed_outgoing, item)
+
+    def _delivered_outgoing(self, _: Any) -> None:
+        self.stats.captures_sent += 1
+        self._settled(1)
+
+    def _failed_outgoing(self, exc: BaseException, item: Outgoing) -> None:
+        self.stats.send_errors += 1
+        log.warning("delivery to %s failed (%s); spooling", item.topic, exc)
+        self._spool_outgoing([item])
+
+    def _spool_outgoing(self, items: list[Outgoing]) -> None:
+        """Spool capture messages while the spool is under half full: the other half is
+        kept for events, which matter more than bodies."""
+        for item in items:
+            line = SPOOL_TOPIC_MARK + item.topic.encode() + b" " + item.value
+            kept = 0
+            if self.spool.size() + len(line) < self.spool.max_bytes // 2:
+                kept = self.spool.append([line])
+            self.stats.spooled += kept
+            if not kept:
+                self.stats.captures_dropped += 1
+                log.warning("spool half full: capture message of run %s dropped", item.run_id)
+            self._settled(1)
+
     def _settled(self, events: int) -> None:
         with self._outstanding_lock:
             self._outstanding -= events
@@ -394,15 +600,62 @@ class RunContext:
         self.step_number = int(fields["step"]) + 1
         return self._emit(Step, **fields)
 
-    def llm_call(self, **fields: Any) -> EventBase:
+    def llm_call(self, prompt: Any = None, response: Any = None, **fields: Any) -> EventBase:
+        """An ``llm.call``; ``prompt`` (a string or a list of chat messages) and
+        ``response`` are captured (docs/capture.md), the event keeps their hashes/sizes."""
         fields.setdefault("step", max(0, self.step_number - 1))
-        return self._emit(LlmCall, **fields)
+        if prompt is None and response is None:
+            return self._emit(LlmCall, **fields)
+        return self._emit_with_bodies(LlmCall, fields, {"prompt": prompt, "response": response})
 
-    def tool_call(self, tool: str, args: Any = None, **fields: Any) -> EventBase:
+    def tool_call(self, tool: str, args: Any = None, output: Any = None,
+                  **fields: Any) -> EventBase:
+        """A ``tool.call``; ``args`` and ``output`` are captured (docs/capture.md)."""
         if args is not None:
             fields.setdefault("args_hash", canonical_args_hash(tool, args))
         fields.setdefault("step", max(0, self.step_number - 1))
-        return self._emit(ToolCall, tool=tool, **fields)
+        if args is None and output is None:
+            return self._emit(ToolCall, tool=tool, **fields)
+        return self._emit_with_bodies(ToolCall, {**fields, "tool": tool},
+                                      {"args": args, "output": output})
+
+    def _emit_with_bodies(self, model: type[EventBase], fields: dict[str, Any],
+                          values: dict[str, Any]) -> EventBase:
+        """Validate the event, build its capture message, then queue both.
+
+        The event is validated first (a bad field raises before anything is queued) and
+        then given the parts' hashes and sizes, unless the caller set them.
+        """
+        event = model(run_id=self.run_id, **{**self.common, **fields})
+        try:
+            message = self.emitter.capture_message(event, values)
+        except Exception:  # capture must never break the agent: the event goes alone
+            log.exception("could not capture the bodies of %s %s",
+                          getattr(event, "event_type", ""), event.event_id)
+            self.emitter.stats.capture_errors += 1
+            self.emitter.emit(event)
+            return event
+        update: dict[str, Any] = {}
+        if isinstance(event, LlmCall):
+            for name in ("prompt", "response"):
+                ref = message.parts.get(name)  # type: ignore[call-overload]
+                if ref is not None:
+                    update[f"{name}_hash"] = part_hash(ref)
+                    update[f"{name}_bytes"] = ref.bytes
+            system = _system_blob(message)
+            if system is not None:
+                update["system_prompt_hash"] = system
+        else:
+            output = message.parts.get("output")  # type: ignore[call-overload]
+            if output is not None:
+                update["result_size_bytes"] = output.bytes
+        update = {name: value for name, value in update.items()
+                  if getattr(event, name, None) is None}
+        if update:
+            event = event.model_copy(update=update)
+        self.emitter.emit(event)
+        self.emitter.send_capture(message)
+        return event
 
     def label(self, verdict: str, **fields: Any) -> EventBase:
         return self._emit(Label, verdict=verdict, **fields)
@@ -421,7 +674,8 @@ class RunContext:
         let_finish: bool = True,
         late_cap_s: float | None = None,
     ) -> T:
-        """Call ``fn(**args)`` with a timeout and emit its ``tool.call``.
+        """Call ``fn(**args)`` with a timeout and emit its ``tool.call`` (capturing
+        ``args`` and, when it returns in time, its return value as the output).
 
         On timeout the caller gets :class:`ToolTimeout` at once. With ``let_finish``
         the call keeps running in the background and its event is emitted when it
@@ -445,7 +699,7 @@ class RunContext:
             self.tool_call(**base, latency_ms=(time.monotonic() - started) * 1000,
                            error_type=type(exc).__name__)
             raise
-        self.tool_call(**base, latency_ms=(time.monotonic() - started) * 1000)
+        self.tool_call(**base, output=result, latency_ms=(time.monotonic() - started) * 1000)
         return result
 
     def _report_timeout(self, future: Future[Any], base: dict[str, Any], started: float,
@@ -468,3 +722,14 @@ class RunContext:
                                 report, args=(None,))
         timer.daemon = True
         timer.start()
+
+
+def _system_blob(message: CaptureMessage) -> str | None:
+    """The hash of the prompt's leading system message, if it has one."""
+    prompt = message.parts.get("prompt")  # type: ignore[call-overload]
+    if prompt is None or prompt.encoding != "messages" or not prompt.hashes:
+        return None
+    blob = message.blobs.get(prompt.hashes[0])
+    if blob is None or blob.encoding != "json" or '"role":"system"' not in blob.body[:64]:
+        return None
+    return str(prompt.hashes[0])

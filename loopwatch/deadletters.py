@@ -1,6 +1,7 @@
 """Dead letters: list them, and re-submit them after a fix (``loopwatch dlq``).
 
-Replaying sends each payload back to the events topic and records ``replayed_at`` on
+Replaying sends each payload back to the topic it came from (the events topic, or the
+captures topic for a refused capture message) and records ``replayed_at`` on
 its row (a new version of it). If the payload is still bad it returns as a new dead
 letter with a new source, so nothing is lost either way. Replaying writes, so in the
 embedded default it runs inside the process that owns the store.
@@ -43,16 +44,29 @@ def _partition(payload: str, partitions: int) -> int:
     return partition_for(str(run_id), partitions) if run_id else 0
 
 
+def source_topic(source: str, settings: Settings) -> str:
+    """Where a dead letter goes back to: captures came from the captures topic.
+
+    >>> source_topic("loopwatch.captures:3:17:0", Settings())
+    'loopwatch.captures'
+    >>> source_topic("loopwatch.events:0:5:2", Settings())
+    'loopwatch.events'
+    """
+    topic = source.split(":", 1)[0]
+    return settings.captures_topic if topic == settings.captures_topic else settings.events_topic
+
+
 def replay_pending(client: Client, bootstrap: str, settings: Settings) -> int:
-    """Send every not-yet-replayed dead letter back to the events topic; mark it replayed."""
+    """Send every not-yet-replayed dead letter back to its topic; mark it replayed."""
     pending = run_query(client, PENDING_SQL).records()
     if not pending:
         return 0
     producer = KafkaProducer(bootstrap_servers=bootstrap.split(","), acks="all")
     try:
-        partitions = len(producer.partitions_for(settings.events_topic) or {0})
         for letter in pending:
-            producer.send(settings.events_topic, value=letter["payload"].encode(),
+            topic = source_topic(letter["source"], settings)
+            partitions = len(producer.partitions_for(topic) or {0})
+            producer.send(topic, value=letter["payload"].encode(),
                           partition=_partition(letter["payload"], partitions))
         producer.flush(timeout=30)
     finally:

@@ -17,13 +17,38 @@ from rich.live import Live
 from rich.table import Table
 
 from dashboards.web.server import serve_in_thread
+from ingest.redact import Redactor
 from ingest.sdk import Emitter
 from loopwatch.config import Settings
 from loopwatch.report import fleet_report
 from loopwatch.simulator import FleetSimulator, SimulatorResult
 from loopwatch.upprocess import UpProcess
 
-SETTINGS_ENV = ("abandon_ttl_s", "idle_advance_s", "late_allowance_s", "detect_interval_s")
+SETTINGS_ENV = ("abandon_ttl_s", "idle_advance_s", "late_allowance_s", "detect_interval_s",
+                "capture", "capture_success_sample")
+#: The demo decides captures often, so its report can say what was kept.
+CAPTURE_DECIDE_INTERVAL_S = 2.0
+CAPTURE_SQL = """
+SELECT
+  (SELECT count() FROM capture_decisions FINAL) AS decided,
+  (SELECT countIf(keep = 1) FROM capture_decisions FINAL) AS kept,
+  (SELECT count() FROM runs FINAL WHERE status = 'closed'
+     AND run_id IN (SELECT run_id FROM capture_staging)
+     AND run_id NOT IN (SELECT run_id FROM capture_decisions)) AS waiting,
+  (SELECT count() FROM capture_parts FINAL) AS parts,
+  (SELECT sum(bytes) FROM capture_parts FINAL) AS part_bytes,
+  (SELECT count() FROM capture_blobs FINAL) AS blobs,
+  (SELECT sum(bytes) FROM capture_blobs FINAL) AS blob_bytes,
+  (SELECT sum(data_compressed_bytes) FROM system.parts
+     WHERE database = currentDatabase() AND active
+       AND table IN ('capture_blobs', 'capture_parts')) AS disk_bytes
+"""
+UNDECIDED_FAILURES_SQL = """
+SELECT count() FROM runs FINAL
+WHERE status = 'closed' AND outcome != 'success'
+  AND run_id IN (SELECT run_id FROM capture_staging)
+  AND run_id NOT IN (SELECT run_id FROM capture_decisions)
+"""
 ALERTS_SQL = """
 SELECT rule, severity, playbook, count() AS episodes, countIf(state = 'firing') AS firing,
        argMax(summary, updated_at) AS latest
@@ -63,11 +88,35 @@ def _wait_until_stored(up: UpProcess, emitter: Emitter, timeout_s: float) -> Non
     raise TimeoutError(f"the pipeline did not store every event within {timeout_s:.0f}s")
 
 
+def _wait_for_captures(up: UpProcess, emitter: Emitter, timeout_s: float) -> None:
+    """Every capture message sent is staged, and every failed run is decided (successes
+    wait for the label window, which outlasts a demo)."""
+    if emitter.stats.captures_sent == 0:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        staged = up.reader.query("SELECT uniqExact(event_id) FROM capture_staging").scalar()
+        if staged >= emitter.stats.captures_sent and not up.reader.query(
+                UNDECIDED_FAILURES_SQL).scalar():
+            return
+        time.sleep(0.5)
+
+
+def capture_summary(reader: Any) -> dict[str, Any]:
+    """Runs kept, parts, bytes, and how much content addressing saved (dedup ratio)."""
+    row = reader.query(CAPTURE_SQL).records()[0]
+    summary: dict[str, Any] = {name: int(value or 0) for name, value in row.items()}
+    summary["dedup_ratio"] = (summary["part_bytes"] / summary["blob_bytes"]
+                              if summary["blob_bytes"] else None)
+    return summary
+
+
 def run_demo(settings: Settings, duration_s: float, rate: float, seed: int,
              progress: bool, console: Console) -> dict[str, Any]:
     data_dir = settings.data_dir / "demo"
     shutil.rmtree(data_dir, ignore_errors=True)
     env = {f"LOOPWATCH_{name.upper()}": str(getattr(settings, name)) for name in SETTINGS_ENV}
+    env["LOOPWATCH_CAPTURE_DECIDE_INTERVAL_S"] = str(CAPTURE_DECIDE_INTERVAL_S)
     up = UpProcess(data_dir, env)
     if progress:
         console.print(f"starting the embedded stack in {data_dir} ...")
@@ -76,7 +125,10 @@ def run_demo(settings: Settings, duration_s: float, rate: float, seed: int,
         if progress:
             console.print(f"live dashboards: [bold]{web_url}[/bold]  (open it while the demo runs)")
         emitter = Emitter(up.info["kafka_bootstrap"], up.info["events_topic"],
-                          data_dir / "spool")
+                          data_dir / "spool", capture=settings.capture,
+                          redactor=Redactor.from_settings(settings),
+                          captures_topic=settings.captures_topic,
+                          max_part_bytes=settings.capture_max_part_bytes)
         simulator = FleetSimulator(emitter, seed=seed)
         started = time.monotonic()
         stop = threading.Event()
@@ -95,7 +147,9 @@ def run_demo(settings: Settings, duration_s: float, rate: float, seed: int,
                             refresh=True)
             _wait_until_stored(up, emitter, timeout_s=settings.abandon_ttl_s * 3 + 120)
             time.sleep(settings.detect_interval_s * 2)  # one more detector pass on the end
+            _wait_for_captures(up, emitter, timeout_s=60 + 4 * CAPTURE_DECIDE_INTERVAL_S)
         report = fleet_report(up.reader)
+        report["capture"] = capture_summary(up.reader)
         report["alerts"] = up.reader.query(ALERTS_SQL).records()
         stop_web()
     report["dashboards_url"] = web_url
@@ -150,6 +204,16 @@ def print_report(report: dict[str, Any], console: Console) -> None:
             alerts.add_row(alert["severity"], alert["rule"], str(alert["episodes"]),
                            str(alert["firing"]), alert["latest"], alert["playbook"])
         console.print(alerts)
+    capture = report.get("capture")
+    if capture:
+        ratio = capture["dedup_ratio"]
+        console.print(
+            f"capture: {capture['kept']} of {capture['decided']} decided runs kept "
+            f"({capture['waiting']} successes wait for the label window), "
+            f"{capture['parts']} parts, {capture['part_bytes'] / 1e6:.1f} MB of bodies "
+            f"stored as {capture['blobs']} blobs of {capture['blob_bytes'] / 1e6:.1f} MB "
+            f"(dedup {'-' if ratio is None else f'{ratio:.1f}x'}; "
+            f"{capture['disk_bytes'] / 1e6:.1f} MB on disk compressed)")
     data_dir = report["store"].removeprefix("chdb://").removesuffix("/chdb")
     console.print(f"data: {report['store']}")
     console.print(f"investigate: loopwatch investigate top_cost_runs --data-dir {data_dir}")

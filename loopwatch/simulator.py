@@ -7,11 +7,19 @@ the fleet knows its own ground truth: ``SimulatorResult.planned`` is what the pi
 must find. Tool latency has a long (log-normal) tail; one tool's timeout is set a bit
 too low, so most of its timeouts are near-misses; one agent's prompt carries a
 volatile prefix and misses the prompt cache.
+
+With ``bodies`` (the default) the runs also carry what a real agent would capture
+(docs/capture.md): every model call sends the agent's system prompt (the same few KB
+on every call of that agent, so capture stores it once) and the conversation so far,
+and gets a response; every tool call has arguments and an output. Some user messages
+contain an e-mail address or a card number, as real ones do, so redaction has work.
+``bodies=False`` (load tests that only need events) skips all of it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import itertools
 import math
@@ -83,6 +91,32 @@ DEFAULT_FLEET: tuple[AgentProfile, ...] = (
 )
 
 
+_WORD_TEXT = ("the customer order refund policy account ticket status search result page "
+          "query table report revenue region quarter source claim evidence summary step "
+          "tool answer check verify escalate priority shipping invoice date amount limit "
+          "must should never always first then before after only when unless cite")
+_WORDS = tuple(_WORD_TEXT.split())
+
+
+@functools.lru_cache(maxsize=16)
+def system_prompt(agent: str, tokens: int) -> str:
+    """The agent's system prompt: ~4 characters per token, fixed per agent (seeded)."""
+    rng = random.Random(agent)
+    lines = [f"You are {agent}, an agent of the loopwatch demo fleet. Follow the rules."]
+    size = len(lines[0])
+    rule = 0
+    while size < tokens * 4:
+        rule += 1
+        line = f"{rule}. " + " ".join(rng.choice(_WORDS) for _ in range(rng.randint(8, 20)))
+        lines.append(line + ".")
+        size += len(line) + 2
+    return "\n".join(lines)
+
+
+def _sentence(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choices(_WORDS, k=words)).capitalize() + "."
+
+
 @dataclass
 class SimulatorResult:
     """Ground truth: planned outcomes per agent, and how many events were emitted."""
@@ -103,7 +137,7 @@ class RunScript:
 
     def __init__(self, emitter: Emitter, profile: AgentProfile, outcome: str,
                  rng: random.Random, prices: PriceTable, time_scale: float,
-                 after_end: Callable[[float, Plan], None]) -> None:
+                 after_end: Callable[[float, Plan], None], bodies: bool = True) -> None:
         self.emitter = emitter
         self.profile = profile
         self.outcome = outcome
@@ -112,6 +146,9 @@ class RunScript:
         self.scale = time_scale
         self.after_end = after_end
         self.args_counter = itertools.count()
+        self.bodies = bodies
+        self.messages: list[dict[str, Any]] = []
+        self.last_response = ""
 
     def plan(self) -> Plan:
         profile, rng = self.profile, self.rng
@@ -122,6 +159,11 @@ class RunScript:
             "worker_id": f"worker-{rng.randrange(12)}", "step_cap": profile.step_cap,
         })
         run.start()
+        if self.bodies:
+            self.messages = [
+                {"role": "system", "content": system_prompt(profile.name, profile.system_tokens)},
+                {"role": "user", "content": self._task_text(run)},
+            ]
         loop_tool = rng.choice(profile.tools)
         steps = {
             "budget_exhausted": profile.step_cap,
@@ -154,7 +196,14 @@ class RunScript:
             read, creation = 0, 0
         status, error = (429, "rate_limited") if rng.random() < 0.01 else (200, None)
         cost = self.prices.cost(profile.model, context_tokens, output, read, creation).cost_usd
+        bodies: dict[str, Any] = {}
+        if self.bodies:
+            response = " ".join(_sentence(rng, rng.randint(6, 18))
+                                for _ in range(max(1, output // 40)))
+            bodies = {"prompt": self.messages, "response": response}
+            self.last_response = response
         run.llm_call(
+            **bodies,
             provider="anthropic" if profile.model.startswith("claude") else "openai",
             response_model=f"{profile.model}-20260901", input_tokens=context_tokens,
             output_tokens=output, cache_read_input_tokens=read,
@@ -162,6 +211,24 @@ class RunScript:
             latency_ms=rng.lognormvariate(math.log(900), 0.4), http_status=status,
             error_type=error,
         )
+        if self.bodies:  # a copy: the SDK serialised the prompt, the list may change now
+            self.messages = [*self.messages, {"role": "assistant", "content": response}]
+
+    def _task_text(self, run: RunContext) -> str:
+        rng = self.rng
+        text = f"Task ({run.common.get('task_type', '')}): " + _sentence(rng, rng.randint(10, 30))
+        if rng.random() < 0.2:
+            text += f" Reply to customer{rng.randrange(1000)}@example.com please."
+        if rng.random() < 0.05:
+            text += " My card is 4111 1111 1111 1111."
+        return text
+
+    def _tool_output(self, tool: ToolProfile, args: dict[str, object], size: int) -> Any:
+        rng = self.rng
+        text = " ".join(_sentence(rng, rng.randint(6, 14)) for _ in range(max(1, size // 90)))
+        self.messages = [*self.messages, {"role": "tool", "name": tool.name,
+                                          "content": text[:4000]}]
+        return {"tool": tool.name, "args": args, "results": text}
 
     def _tool_call(self, run: RunContext, tool: ToolProfile, args: dict[str, object]) -> Plan:
         rng = self.rng
@@ -174,11 +241,17 @@ class RunScript:
             return
         yield duration / 1000 * self.scale
         failed = rng.random() < tool.error_rate
-        run.tool_call(tool.name, args=args, latency_ms=duration, timeout_ms=tool.timeout_ms,
+        size = rng.randint(200, 20_000)
+        output = None
+        if self.bodies:
+            output = ("503 Service Unavailable" if failed
+                      else self._tool_output(tool, args, min(size, 3000)))
+        run.tool_call(tool.name, args=args, output=output, latency_ms=duration,
+                      timeout_ms=tool.timeout_ms,
                       error_type="http_5xx" if failed else None,
                       http_status=503 if failed else 200,
                       result_count=0 if failed else rng.randint(1, 20),
-                      result_size_bytes=rng.randint(200, 20_000))
+                      result_size_bytes=size)
 
     def _finish(self, run: RunContext) -> Plan:
         outcome = self.outcome
@@ -209,8 +282,9 @@ class FleetSimulator:
     """Starts runs at a Poisson rate and plays them all from one scheduler thread."""
 
     def __init__(self, emitter: Emitter, fleet: tuple[AgentProfile, ...] = DEFAULT_FLEET,
-                 seed: int = 7, time_scale: float = 1.0) -> None:
+                 seed: int = 7, time_scale: float = 1.0, bodies: bool = True) -> None:
         self.emitter = emitter
+        self.bodies = bodies
         self.fleet = fleet
         self.rng = random.Random(seed)
         self.time_scale = time_scale
@@ -230,7 +304,7 @@ class FleetSimulator:
         self.result.runs += 1
         run_rng = random.Random(self.rng.getrandbits(64) ^ uuid.uuid4().int)
         script = RunScript(self.emitter, profile, outcome, run_rng, self.prices,
-                           self.time_scale, self._schedule)
+                           self.time_scale, self._schedule, bodies=self.bodies)
         self._schedule(0.0, script.plan())
 
     def run(self, duration_s: float, rate: float, stop: threading.Event | None = None,

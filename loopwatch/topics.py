@@ -13,7 +13,8 @@ from loopwatch.config import Settings
 
 
 def ensure_topics(bootstrap: str, settings: Settings, timeout_s: float = 30.0) -> None:
-    wanted = {settings.events_topic: settings.partitions, settings.deadletter_topic: 1}
+    wanted = {settings.events_topic: settings.partitions, settings.deadletter_topic: 1,
+              settings.captures_topic: settings.partitions}
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -36,21 +37,24 @@ def ensure_topics(bootstrap: str, settings: Settings, timeout_s: float = 30.0) -
 
 
 class LagProbe:
-    """How far a consumer group's committed offsets trail the end of a topic."""
+    """How far a consumer group's committed offsets trail the end of its topics."""
 
-    def __init__(self, bootstrap: str, group: str, topic: str) -> None:
+    def __init__(self, bootstrap: str, group: str, *topics: str) -> None:
         self._group = group
-        self._topic = topic
+        self._topics = topics
         servers = bootstrap.split(",")
         self._admin = KafkaAdminClient(bootstrap_servers=servers, client_id="loopwatch-lag")
         self._consumer = KafkaConsumer(bootstrap_servers=servers, client_id="loopwatch-lag")
 
     def lag(self) -> int:
+        """Messages not yet committed, summed over every topic."""
         self._consumer.topics()  # refreshes metadata; a new client knows no partitions yet
-        partitions = self._consumer.partitions_for_topic(self._topic) or set()
-        if not partitions:
-            raise RuntimeError(f"topic {self._topic} has no partitions (yet)")
-        topic_partitions = [TopicPartition(self._topic, p) for p in partitions]
+        topic_partitions: list[TopicPartition] = []
+        for topic in self._topics:
+            partitions = self._consumer.partitions_for_topic(topic) or set()
+            if not partitions:
+                raise RuntimeError(f"topic {topic} has no partitions (yet)")
+            topic_partitions += [TopicPartition(topic, p) for p in partitions]
         ends = self._consumer.end_offsets(topic_partitions)
         committed = self._admin.list_group_offsets(
             {self._group: topic_partitions}).get(self._group, {})

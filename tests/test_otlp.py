@@ -37,11 +37,13 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Status, StatusCode
 
+from ingest.capture import Blob, PartRef, assemble_part, part_hash
 from ingest.events import canonical_args_hash
 from ingest.otlp.decode import PayloadError, Span, SpanEvent, decode_json, decode_protobuf
 from ingest.otlp.mapping import map_spans
 from ingest.otlp.server import OtlpReceiver
 from ingest.otlp.settings import OtlpSettings
+from ingest.sdk import Emitter
 from ingest.wire import decode_message
 from loopwatch.config import Settings
 from loopwatch.embedded.broker import free_port
@@ -635,3 +637,135 @@ def test_openai_instrumentation_end_to_end_with_exact_tokens(receiver, reader, a
         ["gpt-4o-mini", "gpt-4o-mini-2024-08-06", 900, 40, "stop"],
         ["gpt-4o", "gpt-4o-2024-08-06", 2100, 130, "stop"]]
     assert receiver.stats.conventions == {"gen_ai": 3}
+
+
+# -- content capture (docs/capture.md) -------------------------------------------------
+
+CONTENT_SPANS = ("e" * 16, "f" * 16, "1" * 16)
+
+
+def _content_spans() -> list[Span]:
+    """One model span per way GenAI content is recorded, and a tool span with content."""
+    current, older, indexed = CHAT_SPAN, CHAT2_SPAN, CONTENT_SPANS[0]
+    chat = {"gen_ai.operation.name": "chat", "gen_ai.request.model": "gpt-4o"}
+    return [
+        span("chat gpt-4o", current, AGENT_SPAN, {
+            **chat,
+            "gen_ai.system_instructions": '[{"type": "text", "content": "Be brief."}]',
+            "gen_ai.input.messages": '[{"role": "user", "parts": [{"type": "text", '
+                                     '"content": "mail ann@example.com"}]}]',
+            "gen_ai.output.messages": '[{"role": "assistant", "parts": [{"type": "text", '
+                                      '"content": "ok"}], "finish_reason": "stop"}]',
+        }, 10, 20),
+        span("chat gpt-4o", older, AGENT_SPAN, {
+            **chat, "gen_ai.prompt": "Summarise: hi", "gen_ai.completion": "hi!"}, 30, 40),
+        span("chat gpt-4o", indexed, AGENT_SPAN, {
+            **chat, "gen_ai.prompt.0.role": "system", "gen_ai.prompt.0.content": "sys",
+            "gen_ai.prompt.1.role": "user", "gen_ai.prompt.1.content": "q",
+            "gen_ai.completion.0.role": "assistant", "gen_ai.completion.0.content": "a"},
+            50, 60),
+        span("chat gpt-4o", CONTENT_SPANS[1], AGENT_SPAN, chat, 70, 80, events=[
+            SpanEvent("gen_ai.system.message", T0, {"content": "sys"}),
+            SpanEvent("gen_ai.user.message", T0, {"content": "q2"}),
+            SpanEvent("gen_ai.choice", T0, {"index": 0, "finish_reason": "stop",
+                                            "message": '{"role": "assistant", '
+                                                       '"content": "a2"}'}),
+        ]),
+        span("execute_tool lookup", TOOL_SPAN, AGENT_SPAN, {
+            "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": "lookup",
+            "gen_ai.tool.call.arguments": '{"id": 7, "key": "api_key=abcd1234efgh"}',
+            "gen_ai.tool.call.result": "found 1 order for bo@example.org"}, 90, 95),
+        span("chat gpt-4o", CONTENT_SPANS[2], AGENT_SPAN, chat, 96, 99),  # no content
+        span("invoke_agent support", AGENT_SPAN, "", {
+            "gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": "support"}, 0, 100),
+    ]
+
+
+EXPECTED_CONTENT = {
+    CHAT_SPAN: {"prompt": [{"role": "system", "parts": [{"type": "text",
+                                                         "content": "Be brief."}]},
+                           {"role": "user", "parts": [{"type": "text",
+                                                       "content": "mail [REDACTED:email]"}]}],
+                "response": [{"role": "assistant", "parts": [{"type": "text", "content": "ok"}],
+                              "finish_reason": "stop"}]},
+    CHAT2_SPAN: {"prompt": "Summarise: hi", "response": "hi!"},
+    CONTENT_SPANS[0]: {"prompt": [{"role": "system", "content": "sys"},
+                                  {"role": "user", "content": "q"}],
+                       "response": [{"role": "assistant", "content": "a"}]},
+    CONTENT_SPANS[1]: {"prompt": [{"role": "system", "content": "sys"},
+                                  {"role": "user", "content": "q2"}],
+                       "response": [{"index": 0, "finish_reason": "stop",
+                                     "message": {"role": "assistant", "content": "a2"}}]},
+    TOOL_SPAN: {"args": {"id": 7, "key": "api_key=[REDACTED:api_key]"},
+                "output": "found 1 order for [REDACTED:email]"},
+}
+
+
+def test_span_content_in_every_convention_becomes_redacted_capture_messages(tmp_path):
+    with Emitter("127.0.0.1:1", spool_dir=tmp_path) as emitter:
+        batch = map_spans(_content_spans(), capture=emitter.capture_message)
+    by_span = {event.span_id: event for event in batch.events}
+    found = {by_span_id: {name: assemble_part(ref, message.blobs)
+                          for name, ref in message.parts.items()}
+             for message in batch.captures
+             for by_span_id in [next(span_id for span_id, event in by_span.items()
+                                     if str(event.event_id) == message.event_id)]}
+    assert found == EXPECTED_CONTENT
+    assert [message.parts[name].redactions for message in batch.captures
+            for name in message.parts] == [1, 0, 0, 0, 0, 0, 0, 0, 1, 1]
+    assert (batch.captures[0].run_id, batch.captures[0].agent) == (TRACE, "support")
+    for message in batch.captures:
+        event = next(e for e in batch.events if str(e.event_id) == message.event_id)
+        if event.event_type == "llm.call":
+            assert event.prompt_hash == part_hash(message.parts["prompt"])
+            assert event.response_bytes == message.parts["response"].bytes
+    assert by_span[CONTENT_SPANS[2]].prompt_hash is None  # no content, no capture
+    assert len(batch.captures) == 5
+
+
+def test_otel_sdk_exporter_span_content_is_captured_redacted_end_to_end(receiver, reader,
+                                                                         agent):
+    exporter = OTLPSpanExporter(endpoint=f"{receiver.url}/v1/traces")
+    provider = TracerProvider(resource=Resource.create({"service.name": agent}))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("agent-under-test")
+    messages = [{"role": "user", "parts": [{"type": "text",
+                                            "content": "card 4111 1111 1111 1111 please"}]}]
+    with tracer.start_as_current_span("invoke_agent " + agent, attributes={
+            "gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": agent}) as root:
+        with tracer.start_as_current_span("chat gpt-4o", attributes={
+                "gen_ai.operation.name": "chat", "gen_ai.request.model": "gpt-4o",
+                "gen_ai.input.messages": json.dumps(messages),
+                "gen_ai.output.messages": '[{"role": "assistant", "parts": '
+                                          '[{"type": "text", "content": "Done."}]}]'}):
+            pass
+        with tracer.start_as_current_span("execute_tool charge", attributes={
+                "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": "charge",
+                "gen_ai.tool.call.arguments": '{"amount": 12.5}',
+                "gen_ai.tool.call.result": "declined"}):
+            pass
+        root.set_status(Status(StatusCode.ERROR))
+    provider.shutdown()
+    _wait_closed(reader, agent)
+    run_id = reader.query("SELECT run_id FROM runs FINAL WHERE agent = {a:String}",
+                          {"a": agent}).scalar()
+    decided = wait_for(lambda: reader.query(
+        "SELECT keep, reason, parts FROM capture_decisions FINAL WHERE run_id = {r:String}",
+        {"r": run_id}).rows, 90, what="capture decision")
+    assert decided == [[1, "failure:hard_error", 4]]
+    parts = reader.query("SELECT part, encoding, hashes, bytes, redactions FROM capture_parts "
+                         "FINAL WHERE run_id = {r:String} ORDER BY ts, part", {"r": run_id}
+                         ).records()
+    hashes = [digest for part in parts for digest in part["hashes"]]
+    blobs = {digest: Blob(encoding=encoding, body=body) for digest, encoding, body in
+             reader.query("SELECT hash, encoding, body FROM capture_blobs FINAL "
+                          "WHERE hash IN {h:Array(String)}", {"h": hashes}).rows}
+    values = {part["part"]: assemble_part(PartRef(encoding=part["encoding"],
+                                                  hashes=part["hashes"], bytes=part["bytes"]),
+                                          blobs) for part in parts}
+    assert values == {
+        "prompt": [{"role": "user", "parts": [{"type": "text",
+                                               "content": "card [REDACTED:card_number] please"}]}],
+        "response": [{"role": "assistant", "parts": [{"type": "text", "content": "Done."}]}],
+        "args": {"amount": 12.5}, "output": "declined"}
+    assert sorted(part["redactions"] for part in parts) == [0, 0, 0, 1]

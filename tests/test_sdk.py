@@ -6,6 +6,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -13,9 +14,11 @@ from kafka import KafkaConsumer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
 from pydantic import ValidationError
 
+from ingest.capture import assemble_part, blob_hash, part_hash
 from ingest.sdk import Emitter, ToolTimeout, partition_for
 from ingest.wire import decode_message
 from loopwatch.embedded.broker import EmbeddedBroker, free_port
+from processors.capture import parse_capture
 
 
 def create_topic(bootstrap: str, name: str, partitions: int = 3) -> None:
@@ -111,3 +114,71 @@ def test_timed_tool_call_reports_the_true_duration_of_a_late_completion(broker, 
     assert (late["latency_ms"], late["timeout_ms"], late["error_type"]) == (200, 200, "timeout")
     assert late["late_completion_ms"] >= 600
     assert on_time["latency_ms"] >= 600 and on_time["late_completion_ms"] is None
+
+
+def read_captures(bootstrap: str, topic: str, partitions: int = 3) -> list[tuple[int, bytes, Any]]:
+    """(partition, key, checked capture message) for every message on ``topic``."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, consumer_timeout_ms=2000)
+    assigned = [TopicPartition(topic, p) for p in range(partitions)]
+    consumer.assign(assigned)
+    consumer.seek_to_beginning(*assigned)
+    found = [(m.partition, m.key, parse_capture(m.value)) for m in consumer]
+    consumer.close()
+    return found
+
+
+def test_bodies_travel_on_the_captures_topic_serialised_at_the_call(broker, tmp_path: Path):
+    """Keyed and partitioned like the run's events; the caller's later changes to its
+    message list do not reach what was sent; the event keeps hashes and sizes only."""
+    events, captures = f"sdk-{uuid.uuid4().hex[:8]}", f"cap-{uuid.uuid4().hex[:8]}"
+    create_topic(broker.bootstrap, events)
+    create_topic(broker.bootstrap, captures)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    with (Emitter(broker.bootstrap, events, tmp_path, captures_topic=captures) as emitter,
+          emitter.run(agent="a") as run):
+        call = run.llm_call(prompt=messages, response="hello", input_tokens=3)
+        messages.append({"role": "assistant", "content": "hello"})
+        run.step()  # no bodies: no capture message
+    found = read_captures(broker.bootstrap, captures)
+    assert [(p, k) for p, k, _ in found] == [(partition_for(run.run_id, 3), run.run_id.encode())]
+    message = found[0][2]
+    assert (message.event_id, message.event_type, message.step) == (str(call.event_id),
+                                                                    "llm.call", 0)
+    assert {name: assemble_part(ref, message.blobs) for name, ref in message.parts.items()} == {
+        "prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        "response": "hello"}
+    sent = next(e for _, e in read_all(broker.bootstrap, events) if e["event_type"] == "llm.call")
+    assert (sent["prompt_hash"], sent["prompt_bytes"], sent["response_bytes"]) == (
+        part_hash(message.parts["prompt"]), 38 + 30, 5)  # the two messages' JSON bodies
+    assert sent["response_hash"] == blob_hash("text", "hello")
+    assert sent["system_prompt_hash"] == message.parts["prompt"].hashes[0]
+    assert "prompt" not in sent
+    assert (emitter.stats.captures, emitter.stats.captures_sent) == (1, 1)
+
+
+def test_capture_messages_spool_with_their_topic_and_are_resent(tmp_path: Path):
+    port = free_port()
+    emitter = Emitter(f"127.0.0.1:{port}", "spooled", tmp_path / "spool",
+                      captures_topic="spooled.captures",
+                      producer_config={"max_block_ms": 500, "bootstrap_timeout_ms": 500})
+    with emitter.run(agent="a") as run:
+        run.tool_call("lookup", args={"id": 7}, output=["row 1"])
+    assert emitter.flush(30)
+    spooled = emitter.spool.path.read_bytes().splitlines()
+    assert [line.split(b" ", 1)[0] for line in spooled if line.startswith(b"@")] == [
+        b"@spooled.captures"]
+    assert emitter.stats.spooled == 4
+    with EmbeddedBroker(tmp_path / "broker.log", port=port) as late_broker:
+        create_topic(late_broker.bootstrap, "spooled.captures")
+        create_topic(late_broker.bootstrap, "spooled")
+        deadline = time.monotonic() + 60
+        while (emitter.stats.sent < 3 or emitter.stats.captures_sent < 1) and (
+                time.monotonic() < deadline):
+            time.sleep(0.2)
+        emitter.close()
+        found = read_captures(late_broker.bootstrap, "spooled.captures")
+    assert (emitter.stats.sent, emitter.stats.captures_sent) == (3, 1)
+    assert [(k, {name: assemble_part(ref, m.blobs) for name, ref in m.parts.items()})
+            for _, k, m in found] == [(run.run_id.encode(), {"args": {"id": 7},
+                                                             "output": ["row 1"]})]
+    assert emitter.spool.size() == 0

@@ -282,16 +282,21 @@ def decode_json(body: bytes) -> DecodedRequest:
         where = f"resourceSpans[{r_index}]"
         if not isinstance(resource_spans, dict):
             raise PayloadError(f"{where} is not an object")
+        resource_object = resource_spans.get("resource") or {}
+        if not isinstance(resource_object, dict):
+            raise PayloadError(f"{where}.resource is not an object")
         try:
-            resource = _json_attributes((resource_spans.get("resource") or {})
-                                        .get("attributes", []))
+            resource = _json_attributes(resource_object.get("attributes", []))
         except ValueError as exc:
             raise PayloadError(f"{where}.resource: {exc}") from None
         for s_index, scope_spans in enumerate(
                 _list(resource_spans, "scopeSpans", "scope_spans", where)):
             if not isinstance(scope_spans, dict):
                 raise PayloadError(f"{where}.scopeSpans[{s_index}] is not an object")
-            scope = str((scope_spans.get("scope") or {}).get("name", ""))
+            scope_object = scope_spans.get("scope") or {}
+            if not isinstance(scope_object, dict):
+                raise PayloadError(f"{where}.scopeSpans[{s_index}].scope is not an object")
+            scope = str(scope_object.get("name", ""))
             for index, raw in enumerate(_list(scope_spans, "spans", "spans",
                                               f"{where}.scopeSpans[{s_index}]")):
                 try:

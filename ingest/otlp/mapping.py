@@ -29,13 +29,24 @@ Every event records its span's convention in the ``otel_convention`` extra, and
 Spans that cannot be mapped (bad ids, a tool span without a tool name, a token count
 that is not a non-negative integer, ...) come back as :class:`Unmapped` with the
 reason; the rest of the batch is mapped regardless.
+
+Content (docs/capture.md): given a ``capture`` callable (the receiver passes its
+emitter's, which redacts and splits), model and tool spans that carry bodies also
+become capture messages, and the ``llm.call`` keeps the parts' hashes and sizes. Read,
+first found wins: the prompt from ``gen_ai.system_instructions`` +
+``gen_ai.input.messages`` (current conventions), ``gen_ai.prompt`` or the indexed
+``gen_ai.prompt.N.*``, the ``gen_ai.{system,user,assistant,tool}.message`` span
+events, OpenInference ``input.value``; the response from ``gen_ai.output.messages``,
+``gen_ai.completion`` / ``gen_ai.completion.N.*``, ``gen_ai.choice`` events,
+``output.value``; a tool's ``gen_ai.tool.call.arguments`` and ``.result``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -43,6 +54,7 @@ from typing import Any, TypeVar
 import orjson
 from pydantic import ValidationError
 
+from ingest.capture import CaptureMessage, part_hash
 from ingest.events import (
     EventBase,
     LlmCall,
@@ -55,6 +67,7 @@ from ingest.events import (
 from ingest.otlp import conventions as c
 from ingest.otlp.decode import STATUS_ERROR, BadSpan, Span
 
+log = logging.getLogger(__name__)
 EVENT_NAMESPACE = uuid.UUID("6f0a6f1e-3c55-4c1b-9d7e-0c7a1d6b2f10")
 _NAMESPACE_BYTES = EVENT_NAMESPACE.bytes
 _MAX_DEPTH = 256
@@ -84,12 +97,17 @@ class Unmapped:
         }, default=str)
 
 
+#: Builds an event's capture message from part name -> value (redacting on the way).
+CaptureBuilder = Callable[[EventBase, dict[str, Any]], CaptureMessage]
+
+
 @dataclass(slots=True)
 class MappedBatch:
     events: list[EventBase] = field(default_factory=list)
     unmapped: list[Unmapped] = field(default_factory=list)
     conventions: dict[str, int] = field(default_factory=dict)
     ignored: int = 0
+    captures: list[CaptureMessage] = field(default_factory=list)
 
 
 # -- attribute helpers ----------------------------------------------------------------
@@ -142,7 +160,11 @@ def _number(value: Any) -> float | None:
 
 
 def _ts(nanos: int) -> datetime:
-    return datetime.fromtimestamp(nanos / 1e9, tz=UTC)
+    """A span time; one beyond any date makes the span unmappable (a dead letter)."""
+    try:
+        return datetime.fromtimestamp(nanos / 1e9, tz=UTC)
+    except (OverflowError, OSError, ValueError):
+        raise Unmappable(f"span time {nanos} ns is not a date") from None
 
 
 def _event_id(span: Span, kind: str) -> uuid.UUID:
@@ -462,20 +484,148 @@ def _run_boundaries(mapper: _Mapper, span: Span, convention: str) -> tuple[RunSt
     )
 
 
+# -- content (capture) -----------------------------------------------------------------
+
+_PROMPT_EVENTS = {"gen_ai.system.message": "system", "gen_ai.user.message": "user",
+                  "gen_ai.assistant.message": "assistant", "gen_ai.tool.message": "tool"}
+
+
+def _json_value(value: Any) -> Any:
+    """A JSON-typed attribute: structured already, or a string holding JSON."""
+    if isinstance(value, str) and value[:1] in ("[", "{"):
+        try:
+            return orjson.loads(value)
+        except orjson.JSONDecodeError:
+            return value
+    return value
+
+
+def _indexed(attributes: dict[str, Any], prefix: str) -> list[dict[str, Any]] | None:
+    """``prefix.N.key`` attributes (the older flattened form) as a list of dicts."""
+    found: dict[int, dict[str, Any]] = {}
+    for name, value in attributes.items():
+        if not name.startswith(prefix):
+            continue
+        index, _, key = name[len(prefix):].partition(".")
+        if index.isdigit() and key:
+            found.setdefault(int(index), {})[key] = value
+    return [found[index] for index in sorted(found)] if found else None
+
+
+def _event_message(event: Any, role: str) -> dict[str, Any]:
+    attributes = event.attributes
+    content = _json_value(attributes.get("content", attributes.get("gen_ai.event.content")))
+    if isinstance(content, dict) and ("content" in content or "role" in content):
+        return {"role": role, **content}
+    message = {"role": str(attributes.get("role") or role)}
+    if content is not None:
+        message["content"] = content
+    for key in ("tool_calls", "id"):
+        if key in attributes:
+            message[key] = _json_value(attributes[key])
+    return message
+
+
+def span_prompt(span: Span) -> Any:
+    """The prompt a model span carries, or None (see the module doc for the order)."""
+    attributes = span.attributes
+    messages = _json_value(attributes.get("gen_ai.input.messages"))
+    if messages is not None:
+        instructions = _json_value(attributes.get("gen_ai.system_instructions"))
+        if instructions is not None and isinstance(messages, list):
+            return [{"role": "system", "parts": instructions}, *messages]
+        return messages
+    prompt = attributes.get("gen_ai.prompt")
+    if prompt is not None:
+        return _json_value(prompt)
+    indexed = _indexed(attributes, "gen_ai.prompt.")
+    if indexed is not None:
+        return indexed
+    events = [_event_message(event, _PROMPT_EVENTS[event.name]) for event in span.events
+              if event.name in _PROMPT_EVENTS]
+    if events:
+        return events
+    instructions = _json_value(attributes.get("gen_ai.system_instructions"))
+    if instructions is not None:
+        return [{"role": "system", "parts": instructions}]
+    return _json_value(attributes.get("input.value"))
+
+
+def span_response(span: Span) -> Any:
+    """The response a model span carries, or None."""
+    attributes = span.attributes
+    for name in ("gen_ai.output.messages", "gen_ai.completion"):
+        value = attributes.get(name)
+        if value is not None:
+            return _json_value(value)
+    indexed = _indexed(attributes, "gen_ai.completion.")
+    if indexed is not None:
+        return indexed
+    choices = [{key: _json_value(value) for key, value in event.attributes.items()}
+               for event in span.events if event.name == "gen_ai.choice"]
+    if choices:
+        return choices
+    return _json_value(attributes.get("output.value"))
+
+
+def _with_capture(event: E, values: dict[str, Any], capture: CaptureBuilder,
+                  captures: list[CaptureMessage]) -> E:
+    """Build the capture message; an ``llm.call`` keeps its parts' hashes and sizes."""
+    values = {name: value for name, value in values.items() if value is not None}
+    if not values:
+        return event
+    try:
+        message = capture(event, values)
+    except Exception:  # content is a bonus: never lose the span's event over it
+        log.exception("could not capture the content of span %s", event.span_id)
+        return event
+    captures.append(message)
+    if not isinstance(event, LlmCall):
+        return event
+    update: dict[str, Any] = {}
+    for name in ("prompt", "response"):
+        ref = message.parts.get(name)  # type: ignore[call-overload]
+        if ref is not None:
+            update[f"{name}_hash"] = part_hash(ref)
+            update[f"{name}_bytes"] = ref.bytes
+    return event.model_copy(update=update)
+
+
 def _validation_reason(exc: ValidationError) -> str:
     error = exc.errors()[0]
     where = ".".join(str(part) for part in error["loc"]) or "event"
     return f"{where}: {error['msg']}"
 
 
-def map_spans(spans: Sequence[Span], bad: Sequence[BadSpan] = ()) -> MappedBatch:
-    """Map one batch as far as possible; see the module doc for what becomes what."""
+def map_spans(spans: Sequence[Span], bad: Sequence[BadSpan] = (),
+              capture: CaptureBuilder | None = None) -> MappedBatch:
+    """Map one batch as far as possible; see the module doc for what becomes what.
+    With ``capture``, span content also becomes ``MappedBatch.captures``."""
     mapper = _Mapper(spans)
     batch = mapper.batch
     result = MappedBatch(unmapped=[Unmapped(b.reason, b.trace_id, b.raw) for b in bad])
     starts: list[EventBase] = []
     calls: list[EventBase] = []
     ends: list[EventBase] = []
+
+    def llm(span: Span, convention: str) -> EventBase:
+        event = _llm_call(mapper, span, convention)
+        if capture is None:
+            return event
+        return _with_capture(event, {"prompt": span_prompt(span),
+                                     "response": span_response(span)},
+                             capture, result.captures)
+
+    def tool(span: Span, convention: str) -> EventBase:
+        event = _tool_call(mapper, span, convention)
+        if capture is None:
+            return event
+        attributes = span.attributes
+        return _with_capture(
+            event, {"args": _tool_arguments(first(attributes, c.TOOL_ARGUMENTS)),
+                    "output": first(attributes, c.TOOL_RESULT)},
+            capture, result.captures)
+
     for span, (role, convention) in zip(spans, batch.kinds, strict=True):
         is_root_boundary = (not span.parent_span_id and span.trace_id in batch.traces_with_genai
                             and span.trace_id not in batch.traces_with_agent)
@@ -492,13 +642,13 @@ def map_spans(spans: Sequence[Span], bad: Sequence[BadSpan] = ()) -> MappedBatch
                 starts.append(start)
                 ends.append(end)
                 if role == c.MODEL and key not in batch.wrapped_models:
-                    calls.append(_llm_call(mapper, span, convention))
+                    calls.append(llm(span, convention))
                 elif role == c.TOOL:
-                    calls.append(_tool_call(mapper, span, convention))
+                    calls.append(tool(span, convention))
             elif role == c.MODEL and key not in batch.wrapped_models:
-                calls.append(_llm_call(mapper, span, convention))
+                calls.append(llm(span, convention))
             elif role == c.TOOL:
-                calls.append(_tool_call(mapper, span, convention))
+                calls.append(tool(span, convention))
         except Unmappable as exc:
             result.unmapped.append(Unmapped(str(exc), span.trace_id, span.to_json()))
         except ValidationError as exc:

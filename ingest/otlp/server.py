@@ -2,8 +2,9 @@
 
 Answers (OTLP/HTTP semantics, so stock exporters retry what is worth retrying):
 
-- 200 only after the broker acknowledged every message of the batch (the events and
-  the dead letters of spans that could not be mapped; those are reported back as
+- 200 only after the broker acknowledged every message of the batch (the events, the
+  capture messages of span content (redacted; docs/capture.md), and the dead letters
+  of spans that could not be mapped, which are reported back as
   ``partial_success.rejected_spans`` with the reason);
 - 400 with the reason for a body that is not an OTLP trace request, 413 over
   ``max_body_bytes`` (checked before and after decompression), 415 for an unknown
@@ -41,6 +42,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from ingest.otlp.decode import DecodedRequest, PayloadError, decode_json, decode_protobuf
 from ingest.otlp.mapping import MappedBatch, map_spans
 from ingest.otlp.settings import OtlpSettings, load_otlp_settings
+from ingest.redact import Redactor
 from ingest.sdk import Emitter
 from loopwatch.config import Settings
 
@@ -269,6 +271,9 @@ class OtlpReceiver:
         self.emitter = Emitter(
             bootstrap, settings.events_topic, settings.spool_dir / "otlp-receiver",
             max_message_bytes=max(1024, settings.max_message_bytes - 4096),
+            capture=settings.capture, redactor=Redactor.from_settings(settings),
+            captures_topic=settings.captures_topic,
+            max_part_bytes=settings.capture_max_part_bytes,
         )
         self._server = _Server((host, port), self)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
@@ -324,7 +329,8 @@ class OtlpReceiver:
                     decoded = decode_json(body) if kind == JSON else decode_protobuf(body)
                 except PayloadError as exc:
                     raise _Reject(400, str(exc)) from None
-                batch = map_spans(decoded.spans, decoded.bad)
+                batch = map_spans(decoded.spans, decoded.bad,
+                                  capture=self.emitter.capture_message)
             self._publish(batch)
         finally:
             self._admission.release()
@@ -336,7 +342,9 @@ class OtlpReceiver:
         if not items:
             return
         try:
-            self.emitter.send_and_wait(items, self.limits.publish_timeout_s)
+            self.emitter.send_and_wait(
+                items, self.limits.publish_timeout_s,
+                captures=batch.captures if self.settings.capture != "off" else ())
         except KafkaError as exc:
             log.warning("broker did not acknowledge a span batch: %s", exc)
             raise _Reject(503, f"broker did not acknowledge: {type(exc).__name__}",

@@ -1,0 +1,1 @@
+"""Capture and replay of step payloads (docs/capture.md): which runs keep their bodies."""

@@ -1,0 +1,45 @@
+"""The faust binding of :class:`processors.capture.CaptureStage`: the captures topic.
+
+One more agent on the processors' faust app (same consumer group, same sink, same
+dead-letter topic). Delivery guarantee as for events: a batch's rows are written
+through the sink (which blocks and retries until the store accepts them) and only then
+does the agent return to faust, which acks the batch and later commits its offsets;
+a crash before that redelivers the batch and the keyed rows are rewritten unchanged.
+Bodies travel on their own topic so that the run pipeline's hot path never carries
+them, and a slow capture write never holds up run assembly beyond the shared sink.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from processors.capture import CaptureStage
+from processors.pipeline import RawMessage
+
+if TYPE_CHECKING:
+    from processors.app import Processor
+
+#: Capture messages carry bodies (tens of KB each): smaller batches than events keep a
+#: batch's memory and insert size bounded.
+MAX_BATCH = 200
+
+
+def register_captures(processor: Processor) -> CaptureStage:
+    """Add the capture agent to ``processor``'s app; returns its stage (for counters)."""
+    settings = processor.settings
+    topic = processor.app.topic(
+        settings.captures_topic, key_type=bytes, value_type=bytes,
+        key_serializer="raw", value_serializer="raw", partitions=settings.partitions,
+    )
+    stage = CaptureStage()
+
+    async def stage_captures(stream: Any) -> None:
+        async for events in stream.take_events(min(MAX_BATCH, settings.batch_max_events),
+                                               within=settings.batch_max_wait_s):
+            messages = [RawMessage(e.message.topic, e.message.partition, e.message.offset,
+                                   e.message.value) for e in events]
+            await processor._write(stage.process(messages, datetime.now(UTC)))
+
+    processor.app.agent(topic, name="stage-captures")(stage_captures)
+    return stage

@@ -41,6 +41,12 @@ DATASOURCE_NAME: Final = "loopwatch ClickHouse"
 DATASOURCE_REF: Final = models.DataSourceRef(type_val=PLUGIN_ID, uid="${datasource}")
 RUN_DRILLDOWN_URL: Final = (
     "/d/" + TIERS_BY_ID["drilldown"].uid + "?var-run_id=${__value.raw}&${__url_time_range}")
+#: The loopwatch web view holding each run's replay (``loopwatch serve``'s default
+#: address); a hidden dashboard variable, so a deployment sets it once (dashboard
+#: settings, or ``var-loopwatch_web=`` in a URL) to wherever its web view runs.
+WEB_VIEW_VARIABLE: Final = "loopwatch_web"
+WEB_VIEW_DEFAULT: Final = "http://127.0.0.1:8765"
+RUN_REPLAY_URL: Final = "${" + WEB_VIEW_VARIABLE + "}/#/replay/${__value.raw}"
 NAMED_COLORS: Final = {"text": "text", "green": "green", "red": "red", "orange": "orange",
                        "blue": "blue", "yellow": "yellow"}
 
@@ -180,7 +186,9 @@ def _table(panel: Panel) -> table.Panel:
             models.DynamicConfigValue("custom.cellOptions", {"type": "color-text"})])
     if panel.links_run_id:
         built = built.override_by_name("run_id", [models.DynamicConfigValue("links", [
-            {"title": "Open the run drill-down", "url": RUN_DRILLDOWN_URL}])])
+            {"title": "Open the run drill-down", "url": RUN_DRILLDOWN_URL},
+            {"title": "Replay this run (prompts, responses, tool I/O)", "url": RUN_REPLAY_URL,
+             "targetBlank": True}])])
     return built
 
 
@@ -263,6 +271,11 @@ def _variables(tier: TierId) -> list[cogbuilder.Builder[models.VariableModel]]:
             .refresh(models.VariableRefresh.ON_TIME_RANGE_CHANGED)
             .sort(models.VariableSort.ALPHABETICAL_ASC)
             .current(models.VariableOption(selected=True, text=["All"], value=["$__all"])))
+    found.append(builders.TextBoxVariable(WEB_VIEW_VARIABLE).label("loopwatch web view")
+                 .description("base URL of the loopwatch web view, where runs replay")
+                 .default_value(WEB_VIEW_DEFAULT).hide(models.VariableHide.HIDE_VARIABLE)
+                 .current(models.VariableOption(text=WEB_VIEW_DEFAULT,
+                                                value=WEB_VIEW_DEFAULT)))
     return found
 
 
@@ -281,6 +294,12 @@ def dashboard_builder(tier: TierId) -> builders.Dashboard:
              .annotation(builders.AnnotationQuery().name(ANNOTATION.name)
                          .datasource(DATASOURCE_REF).enable(True).icon_color(ANNOTATION.color)
                          .target(ClickHouseAnnotationTargetBuilder(ANNOTATION.sql))))
+    if "run_id" in spec.variables:
+        board = board.link(
+            builders.DashboardLink("Replay this run").type(models.DashboardLinkType.LINK)
+            .url("${" + WEB_VIEW_VARIABLE + "}/#/replay/${run_id}").icon("external link")
+            .tooltip("its prompts, responses and tool inputs and outputs, step by step")
+            .target_blank(True))
     next_id = 1
     section = None
     for panel in panels_of(tier):

@@ -18,10 +18,12 @@ its rows are gone. A rule that lacks samples or history neither fires nor resolv
 from __future__ import annotations
 
 import hashlib
+import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any, Literal
+from urllib.parse import quote
 
 import orjson
 
@@ -73,6 +75,41 @@ class Alert:
             evidence=orjson.loads(row["evidence"] or "{}"), link=row["link"],
             version=int(row["version"]),
         )
+
+
+REPLAY_EVIDENCE = "Replay the runs it names"
+REPLAY_RUNS = 10
+
+
+def named_run_ids(labels: dict[str, str], evidence: dict[str, Any]) -> list[str]:
+    """The runs an alert names: its ``run_id`` label, then the ``run_id`` column of its
+    evidence tables, in order and once each (at most ``REPLAY_RUNS``).
+
+    >>> named_run_ids({"run_id": "r1"}, {"Top runs": {"columns": ["run_id", "cost"],
+    ...                                              "rows": [["r2", 1.0], ["r1", 0.5]]}})
+    ['r1', 'r2']
+    """
+    found = [labels["run_id"]] if labels.get("run_id") else []
+    for table in evidence.values():
+        columns = table.get("columns", []) if isinstance(table, dict) else []
+        if "run_id" not in columns:
+            continue
+        position = columns.index("run_id")
+        found.extend(str(row[position]) for row in table.get("rows", []) if row[position])
+    return list(dict.fromkeys(found))[:REPLAY_RUNS]
+
+
+def replay_evidence(link_base_url: str, run_ids: list[str]) -> dict[str, Any]:
+    """Where to replay each named run, as an evidence table: the web view's replay
+    (``<link_base_url>/#/replay/<run_id>``, when a base URL is set) and the command.
+
+    >>> replay_evidence("http://lw:8765/", ["r 1"])["rows"]
+    [['r 1', 'http://lw:8765/#/replay/r%201', "loopwatch replay 'r 1'"]]
+    """
+    base = link_base_url.rstrip("/")
+    return {"columns": ["run_id", "replay", "command"],
+            "rows": [[run_id, f"{base}/#/replay/{quote(run_id, safe='')}" if base else "",
+                      f"loopwatch replay {shlex.quote(run_id)}"] for run_id in run_ids]}
 
 
 @dataclass(frozen=True)

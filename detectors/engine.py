@@ -18,7 +18,14 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from detectors.alerts import Alert, AlertBook, Transition
+from detectors.alerts import (
+    REPLAY_EVIDENCE,
+    Alert,
+    AlertBook,
+    Transition,
+    named_run_ids,
+    replay_evidence,
+)
 from detectors.outbox import Outbox
 from detectors.rules import Finding, Rule, SeriesState, evaluate, load_rules
 from loopwatch.store.clickhouse import QueryResult
@@ -148,6 +155,9 @@ class DetectorEngine:
                 evidence[title] = {"error": str(exc).splitlines()[0][:300]}
                 continue
             evidence[title] = {"columns": result.columns, "rows": result.rows[:EVIDENCE_ROWS]}
+        run_ids = named_run_ids(alert.labels, evidence)
+        if run_ids:
+            evidence[REPLAY_EVIDENCE] = replay_evidence(self.policy.link_base_url, run_ids)
         link = ""
         if self.policy.link_base_url and alert.labels.get("run_id"):
             link = f"{self.policy.link_base_url.rstrip('/')}/runs/{alert.labels['run_id']}"

@@ -16,6 +16,7 @@ import os
 import time
 import urllib.error
 import urllib.request
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -261,3 +262,92 @@ def test_results_through_the_store_service_read_the_same(seeded):
     assert rounded(service.run(seeded[1], params)) == rounded(direct.run(seeded[1], params))
     times = [row[-1] for row in direct.panel("problem_runs", params)["rows"]]
     assert times and all(value.endswith("Z") for value in times)
+
+
+# --- replay and trace economics in the run drill-down ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def captured_loop(seeded, local_store):
+    """The seeded looping run with captured bodies (kept), inserted as docs/capture.md
+    lays them out; returns the run id and what its steps must show."""
+    from ingest.capture import build_capture_message
+    from tests.captured import insert_rows, parts_rows
+
+    reader, loop_run = seeded
+    _, client = local_store
+    calls = reader.query(
+        "SELECT toString(event_id), event_type, JSONExtract(payload, 'step', 'Int64'), "
+        "JSONExtractString(payload, 'tool'), agent FROM events FINAL "
+        "WHERE run_id = {r:String} AND event_type IN ('llm.call', 'tool.call')",
+        {"r": loop_run}).rows
+    now = datetime.now(UTC)
+    parts: list[dict[str, Any]] = []
+    blobs: list[dict[str, Any]] = []
+    for event_id, event_type, step, tool, agent in calls:
+        values = ({"prompt": [{"role": "system", "content": "You research markets."},
+                              {"role": "user", "content": f"step {step}: search again"}],
+                   "response": f"Searching once more (step {step})."}
+                  if event_type == "llm.call" else
+                  {"args": {"query": "same-query"}, "output": {"hits": [], "step": step}})
+        message = build_capture_message(
+            event_id=event_id, run_id=loop_run, agent=agent, ts=now.isoformat(),
+            event_type=event_type, step=step, tool=tool or None, values=values)
+        more_parts, more_blobs = parts_rows(message, now, "kept_at")
+        parts += more_parts
+        blobs += more_blobs
+    insert_rows(client, "capture_parts", parts)
+    insert_rows(client, "capture_blobs", blobs)
+    insert_rows(client, "capture_decisions", [{
+        "run_id": loop_run, "agent": calls[0][4], "outcome": "looped", "keep": 1,
+        "reason": "failure:looped", "parts": len(parts),
+        "bytes": sum(part["bytes"] for part in parts), "decided_at": now}])
+    return loop_run, len(calls)
+
+
+def test_replay_and_economics_endpoints(api, captured_loop, server):
+    loop_run, steps = captured_loop
+    body = api.replay(loop_run)
+    assert body["run_id"] == loop_run and body["outcome"] == "looped"
+    assert body["capture"]["status"] == "kept" and len(body["steps"]) == steps
+    assert body["command"] == f"loopwatch replay {loop_run}"
+    first_tool = next(step for step in body["steps"] if step["type"] == "tool")
+    assert first_tool["args"] == {"query": "same-query"}
+    assert first_tool["output"] == {"hits": [], "step": first_tool["step"]}
+    with pytest.raises(NotFound):
+        api.replay("no-such-run")
+    status, _, raw = get(f"{server}api/replay/{loop_run}")
+    assert status == 200 and json.loads(raw)["steps"] == json.loads(orjson.dumps(body))["steps"]
+    assert get(f"{server}api/replay/no-such-run")[0] == 404
+    status, _, raw = get(f"{server}api/economics?agent={body['agent']}")
+    economics = json.loads(raw)
+    assert status == 200 and economics["runs"] > 0 and economics["failure_modes"]
+    assert get(f"{server}api/economics")[0] == 400
+
+
+def test_the_drilldown_shows_the_replay_and_the_trace_economics(server, browser, captured_loop,
+                                                                tmp_path):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    loop_run, steps = captured_loop
+    browser.get(f"{server}#/replay/{loop_run}")
+    state = "return [document.getElementById('replay'), document.getElementById('economics')]" \
+            ".map(el => el ? el.dataset.state : 'absent')"
+    WebDriverWait(browser, 60, poll_frequency=0.3).until(
+        lambda d: d.execute_script(state) == ["ready", "ready"])
+    replay = browser.find_element("id", "replay")
+    assert int(replay.get_attribute("data-steps")) == steps
+    cards = replay.find_elements("css selector", ".replay-step")
+    assert len(cards) == steps
+    assert "capture kept" in replay.text and f"loopwatch replay {loop_run}" in replay.text
+    first_llm = replay.find_element("css selector", ".replay-step[data-type=llm]")
+    prompt = first_llm.find_element("css selector", "pre[data-part=prompt]").text
+    assert prompt.startswith("system: You research markets.\nuser: step ")
+    tool_card = replay.find_element("css selector", ".replay-step[data-type=tool]")
+    assert '"query": "same-query"' in tool_card.text
+    economics = browser.find_element("id", "economics")
+    assert int(economics.get_attribute("data-modes")) > 0
+    assert economics.find_elements("css selector", "tr[data-outcome=looped]")
+    assert "reproduction tax" in economics.text
+    shoot(browser, tmp_path / "webview-replay.png")
+    assert console_errors(browser) == []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+import shlex
 import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -31,6 +32,8 @@ from dashboards.panels import (
     VARIABLES,
     title_of,
 )
+from loopwatch.replay.economics import Rates, agent_economics
+from loopwatch.replay.recording import RunNotFound, load_recording
 from loopwatch.store.reader import QueryError, Reader
 
 MAX_VALUE_LENGTH: Final = 256
@@ -175,9 +178,13 @@ class WebApi:
     """Runs panel SQL through a loopwatch reader; one query at a time (chdb's rule)."""
 
     def __init__(self, reader: Reader,
-                 clock: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
+                 clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+                 rates: Rates | None = None) -> None:
         self.reader = reader
         self.clock = clock
+        # The server is built from a reader alone; the rates are read where they are
+        # configured unless a caller (a test, say) passes its own.
+        self.rates = rates or Rates.from_environment()
         self._lock = threading.Lock()
 
     # --- parameters --------------------------------------------------------------------
@@ -272,6 +279,41 @@ class WebApi:
         if not panels["run_summary"]["rows"]:
             raise NotFound(f"no run {run_id!r} in the store")
         return {"run_id": run_id, "panels": panels}
+
+    def replay(self, run_id: str) -> dict[str, Any]:
+        """``/api/replay/<run_id>``: the run's recorded steps with their bodies, as
+        ``loopwatch replay --json`` prints them, plus what the page shows around them."""
+        if not run_id or len(run_id) > MAX_VALUE_LENGTH:
+            raise BadRequest("a run id is 1 to 256 characters")
+        try:
+            with self._lock:
+                recording = load_recording(self.reader, run_id)
+        except RunNotFound as exc:
+            raise NotFound(str(exc)) from None
+        body = recording.to_json()
+        for step, shown in zip(recording.steps, body["steps"], strict=True):
+            shown.update(index=step.index, truncated=list(step.truncated),
+                         missing=list(step.missing))
+        body.update(agent=recording.agent, status=recording.status,
+                    command=f"loopwatch replay {shlex.quote(run_id)}")
+        return body
+
+    def economics(self, params: Mapping[str, Sequence[str]]) -> dict[str, Any]:
+        """``/api/economics?agent=&days=``: the agent's reproduction tax per failure mode
+        against its capture cost per run (loopwatch.replay.economics)."""
+        agent = (params.get("agent") or [""])[0]
+        if not agent or len(agent) > MAX_VALUE_LENGTH:
+            raise BadRequest("economics needs agent (1 to 256 characters)")
+        try:
+            days = float((params.get("days") or ["7"])[0])
+        except ValueError:
+            raise BadRequest("days must be a number") from None
+        if not 0 < days <= MAX_RANGE.days:
+            raise BadRequest(f"days must be in (0, {MAX_RANGE.days}]")
+        with self._lock:
+            numbers = agent_economics(self.reader, agent, self.rates, timedelta(days=days),
+                                      self.clock())
+        return numbers.to_json()
 
     def alerts(self, params: Mapping[str, Sequence[str]]) -> dict[str, Any]:
         """Firing alerts (the firing-alerts panel's SQL) with their playbooks attached."""

@@ -116,9 +116,11 @@
     const params = new URLSearchParams(query || "");
     let view = parts[0] || "realtime";
     let runId = null;
+    let focus = null;
+    if (view === "replay") { view = "run"; focus = "replay"; }  // alert links: #/replay/<run>
     if (view === "run") { runId = parts[1] ? decodeURIComponent(parts.slice(1).join("/")) : null; }
     if (!["realtime", "trends", "run"].includes(view)) view = "realtime";
-    return { view, runId, params };
+    return { view, runId, params, focus };
   }
   function tierOf(view) { return view === "run" ? "drilldown" : view; }
   function writeHash(view, runId) {
@@ -220,9 +222,10 @@
   }
 
   function render() {
-    const { view, runId, params } = parseHash();
+    const { view, runId, params, focus } = parseHash();
     const changedTier = tierOf(view) !== tierOf(state.route.view) || !state.range;
     state.route = { view, runId };
+    state.focus = focus;
     const tier = state.tiers[tierOf(view)];
     state.range = params.get("range") || (changedTier ? tier.time_from : state.range);
     state.vars = {};
@@ -290,6 +293,12 @@
       grid.append(view.el);
       state.views[id] = view;
     }
+    main.append(h("h2", { class: "section-title", id: "replay-title", text: "Replay" }),
+      h("section", { class: "panel replay", id: "replay", "data-state": "loading" },
+        h("div", { class: "note", text: "loading…" })),
+      h("h2", { class: "section-title", text: "Trace economics of this agent" }),
+      h("section", { class: "panel economics", id: "economics", "data-state": "loading" },
+        h("div", { class: "note", text: "loading…" })));
   }
 
   async function refreshData() {
@@ -344,10 +353,138 @@
       for (const panel of Object.values(state.views)) panel.fail(error);
       return;
     }
-    drawRunSummary(body.panels.run_summary);
+    const agent = drawRunSummary(body.panels.run_summary);
     for (const [id, panel] of Object.entries(state.views)) {
       if (body.panels[id]) panel.draw(body.panels[id]);
     }
+    await Promise.all([
+      getJSON(`/api/replay/${encodeURIComponent(runId)}`, signal).then(drawReplay,
+        (error) => { if (!signal.aborted) failBox("replay", error); }),
+      getJSON(`/api/economics?agent=${encodeURIComponent(agent)}&days=7`, signal).then(drawEconomics,
+        (error) => { if (!signal.aborted) failBox("economics", error); }),
+    ]);
+    if (state.focus === "replay") {
+      state.focus = null;
+      byId("replay-title").scrollIntoView();
+    }
+  }
+
+  // --- replay and trace economics -------------------------------------------------------
+  const BODY_PREVIEW = 600;
+
+  function failBox(id, error) {
+    const box = byId(id);
+    if (!box) return;
+    box.dataset.state = "error";
+    box.replaceChildren(h("div", { class: "note error", text: error.message }));
+  }
+
+  function bodyText(value) {
+    if (value === null || value === undefined) return null;
+    if (typeof value === "string") return value;
+    if (Array.isArray(value) && value.length && value.every((m) => m && typeof m === "object" && !Array.isArray(m))) {
+      return value.map((m) => `${m.role ?? "?"}: ${typeof m.content === "string" ? m.content : JSON.stringify(m.content ?? m)}`).join("\n");
+    }
+    return JSON.stringify(value, null, 2);
+  }
+
+  function bodyBlock(name, value, step) {
+    const text = bodyText(value);
+    const notes = [];
+    if (step.truncated.includes(name)) notes.push("truncated at capture");
+    if (step.missing.includes(name)) notes.push("no longer stored");
+    const pre = h("pre", { class: "replay-text", "data-part": name });
+    const block = h("div", { class: "replay-body" },
+      h("span", { class: "part-name", text: name + (notes.length ? ` (${notes.join(", ")})` : "") }), pre);
+    if (text === null) {
+      pre.textContent = "— not captured";
+      pre.classList.add("absent");
+      return block;
+    }
+    const long = text.length > BODY_PREVIEW;
+    pre.textContent = long ? `${text.slice(0, BODY_PREVIEW)}…` : text;
+    if (long) {
+      const more = h("button", { type: "button", class: "more", text: `show all ${text.length.toLocaleString()} characters`,
+        onclick: () => {
+          const open = pre.dataset.open === "1";
+          pre.dataset.open = open ? "0" : "1";
+          pre.textContent = open ? `${text.slice(0, BODY_PREVIEW)}…` : text;
+          more.textContent = open ? `show all ${text.length.toLocaleString()} characters` : "show less";
+        } });
+      block.append(more);
+    }
+    return block;
+  }
+
+  function stepHead(step) {
+    const bits = [`#${step.index}`, `step ${step.step}`];
+    if (step.type === "llm") {
+      const t = step.tokens;
+      bits.push(`LLM · ${t.input.toLocaleString()} in / ${t.output.toLocaleString()} out` +
+        (t.cache_read || t.cache_creation ? ` (cache read ${t.cache_read.toLocaleString()}, write ${t.cache_creation.toLocaleString()})` : ""),
+      fmt(step.cost, "currencyUSD", 4));
+    } else {
+      bits.push(`tool ${step.tool}`);
+    }
+    bits.push(fmt(step.latency_ms, "ms"));
+    return bits.join(" · ");
+  }
+
+  function drawReplay(body) {
+    const box = byId("replay");
+    if (!box) return;
+    const cap = body.capture;
+    const tone = { kept: "ok", pending: "warn", discarded: "bad" }[cap.status] || "warn";
+    const head = h("div", { class: "replay-meta" },
+      h("span", { class: `pill ${tone}`, "data-capture": cap.status, text: `capture ${cap.status}` }),
+      h("span", { class: "alert-meta", text: `${cap.reason} · ${cap.parts} parts, ${cap.bytes.toLocaleString()} bytes` }),
+      h("span", { class: "why" }, "CLI: ", h("code", { text: body.command }), " · re-drive: ",
+        h("code", { text: `ReplaySession.load(reader, ${JSON.stringify(body.run_id)})` })));
+    const steps = body.steps.map((step) => h("div", {
+      class: `replay-step ${step.type}`, "data-index": step.index, "data-type": step.type,
+    },
+    h("div", { class: "replay-head", text: stepHead(step) }),
+    ...(step.type === "llm"
+      ? [bodyBlock("prompt", step.prompt, step), bodyBlock("response", step.response, step)]
+      : [bodyBlock("args", step.args, step), bodyBlock("output", step.output, step)])));
+    box.replaceChildren(head, steps.length ? h("div", { class: "replay-steps" }, steps)
+      : h("div", { class: "empty", text: "No LLM or tool calls in this run." }));
+    box.dataset.steps = String(body.steps.length);
+    box.dataset.state = "ready";
+  }
+
+  function drawEconomics(body) {
+    const box = byId("economics");
+    if (!box) return;
+    const cap = body.capture;
+    // storage per run is often a tiny fraction of a cent: say how tiny
+    const usd = (v, d) => (v > 0 && v < 1e-4 ? `$${v.toExponential(2)}` : fmt(v, "currencyUSD", d));
+    const summary = h("p", { class: "econ-summary", text:
+      `${body.agent}: ${body.runs} closed runs in the last 7 days · average run ${usd(body.avg_run_cost_usd, 4)}, ` +
+      `${fmt(body.avg_run_seconds * 1000, "ms")} · capture keeps ${cap.kept_runs} runs, ` +
+      `${Math.round(cap.stored_bytes_per_run).toLocaleString()} compressed bytes a run → ` +
+      `${usd(cap.cost_per_run_usd, 8)} a run for ${body.rates.capture_retention_days} days ` +
+      `(engineer ${usd(body.rates.engineer_usd_per_hour, 0)}/h, storage ${usd(body.rates.storage_usd_per_gb_month, 2)}/GiB-month)` });
+    const columns = ["failure mode", "p", "runs to reproduce", "tokens", "engineer time",
+      "reproduction tax", "p × tax (per run)", "capture (per run)", "verdict"];
+    const rows = body.failure_modes.map((mode) => h("tr", { "data-outcome": mode.outcome },
+      h("td", { text: mode.outcome }),
+      h("td", { class: "num", text: fmt(mode.p, "percentunit", 1) }),
+      h("td", { class: "num", text: fmt(Math.round(mode.expected_runs), "short") }),
+      h("td", { class: "num", text: usd(mode.token_cost_usd, 2) }),
+      h("td", { class: "num", text: usd(mode.engineer_cost_usd, 2) }),
+      h("td", { class: "num", text: usd(mode.total_usd, 2) }),
+      h("td", { class: "num", text: usd(mode.avoided_per_run_usd, 4) }),
+      h("td", { class: "num", text: usd(cap.cost_per_run_usd, 8) }),
+      h("td", { class: mode.worth_it ? "good" : "bad", text: mode.worth_it ? "capture pays" : "capture costs more" })));
+    box.replaceChildren(summary, rows.length
+      ? h("div", { class: "table-wrap" }, h("table", { class: "data" },
+        h("thead", {}, h("tr", {}, columns.map((c, i) => h("th", { class: i > 0 && i < 8 ? "num" : null, text: c })))),
+        h("tbody", {}, rows)))
+      : h("div", { class: "empty", text: "No failures in this window: nothing to reproduce." }),
+      h("p", { class: "why", text: `Worth it when ${body.verdict}: re-running until a failure mode recurs costs 1/p runs of tokens and of an engineer waiting.` }));
+    box.dataset.modes = String(body.failure_modes.length);
+    box.dataset.state = "ready";
   }
 
   function drawRunSummary(data) {
@@ -360,7 +497,10 @@
       h("span", { class: "pill", style: { color: color(meta.colors[outcome] || "text") },
         text: outcome || record.status }),
       record.loop_detected ? h("span", { class: "pill bad", text: "loop detected" }) : null,
-      h("span", { class: "alert-meta", text: `${record.agent} · ${record.task_type || "no task type"}` }));
+      h("span", { class: "alert-meta", text: `${record.agent} · ${record.task_type || "no task type"}` }),
+      h("a", { href: "#replay-title", class: "replay-link",
+        onclick: (event) => { event.preventDefault(); byId("replay-title").scrollIntoView(); },
+        text: "▶ replay" }));
     const skip = new Set(["run_id", "loop_detected"]);
     byId("run-kv").replaceChildren(...data.columns.filter((c) => !skip.has(c)).map((column, i) => {
       const index = data.columns.indexOf(column);
@@ -370,6 +510,7 @@
         h("dd", { class: long ? "long" : null, title: value === null ? "" : String(value),
           text: fmt(value, meta.column_units[column], column === "cost_usd" ? 4 : null) }));
     }));
+    return record.agent;
   }
 
   // --- alerts and their playbooks -------------------------------------------------------
@@ -422,6 +563,8 @@
         h("span", { class: "alert-actions" },
           alert.run_id ? h("a", { href: `#/run/${encodeURIComponent(alert.run_id)}` },
             h("button", { type: "button", text: "Open run" })) : null,
+          alert.run_id ? h("a", { href: `#/replay/${encodeURIComponent(alert.run_id)}`, class: "replay-link" },
+            h("button", { type: "button", text: "Replay" })) : null,
           toggle)),
       h("div", { class: "alert-meta", text: meta }),
       details);
@@ -513,7 +656,9 @@
         const column = data.columns[i];
         const cell = h("td", { class: numeric[i] ? "num" : null });
         if (column === "run_id" && meta.links_run_id && value) {
-          cell.append(h("a", { class: "mono", href: `#/run/${encodeURIComponent(value)}`, text: value }));
+          cell.append(h("a", { class: "mono", href: `#/run/${encodeURIComponent(value)}`, text: value }),
+            " ", h("a", { class: "replay-link", href: `#/replay/${encodeURIComponent(value)}`,
+              title: "replay this run", text: "▶" }));
         } else if (column === "payload") {
           cell.className = "payload";
           cell.append(h("code", { text: value, title: "click to expand" }));

@@ -20,6 +20,8 @@ from typing import Any, Literal, Protocol
 
 import orjson
 
+from loopwatch.masking import mask_secrets, safe_url
+
 Format = Literal["generic", "slack", "pagerduty"]
 
 
@@ -35,16 +37,19 @@ class Notifier(Protocol):
 
 
 def _post(url: str, body: bytes, headers: dict[str, str], timeout_s: float = 10.0) -> None:
-    request = urllib.request.Request(url, data=body, method="POST",
-                                     headers={"Content-Type": "application/json", **headers})
+    shown = safe_url(url)  # a webhook URL's path or user info is often the credential
     try:
+        request = urllib.request.Request(url, data=body, method="POST",
+                                         headers={"Content-Type": "application/json",
+                                                  **headers})
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             if not 200 <= response.status < 300:
-                raise DeliveryError(f"{url} answered {response.status}")
+                raise DeliveryError(f"{shown} answered {response.status}")
     except urllib.error.HTTPError as exc:
-        raise DeliveryError(f"{url} answered {exc.code}: {exc.read()[:200]!r}") from exc
-    except (urllib.error.URLError, OSError) as exc:
-        raise DeliveryError(f"{url} unreachable: {exc}") from exc
+        answer = mask_secrets(repr(exc.read()[:200]), [url])
+        raise DeliveryError(f"{shown} answered {exc.code}: {answer}") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise DeliveryError(f"{shown} unreachable: {mask_secrets(str(exc), [url])}") from None
 
 
 def sign(secret: str, timestamp: str, body: bytes) -> str:

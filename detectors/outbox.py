@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 
 from detectors.notify import DeliveryError, Notifier
+from loopwatch.masking import mask_secrets
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +92,11 @@ class Outbox:
             except DeliveryError as exc:
                 self.failures += 1
                 entry.attempts += 1
-                entry.last_error = str(exc)[:500]
+                entry.last_error = mask_secrets(str(exc))[:500]
                 entry.next_attempt = self.clock() + min(self.max_backoff_s,
                                                         0.5 * 2 ** entry.attempts)
-                log.warning("notifier %s: %s (attempt %d)", entry.notifier, exc, entry.attempts)
+                log.warning("notifier %s: %s (attempt %d)", entry.notifier,
+                            mask_secrets(str(exc)), entry.attempts)
                 with self._lock:
                     self._save()
                 continue

@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 SCHEMA_MAJOR = 1
 SCHEMA_MINOR = 0
@@ -50,6 +50,19 @@ TerminalReason = Literal[
     "model_done", "cannot_complete", "cap", "loop_detector", "drift_monitor", "cancelled", "crash"
 ]
 Cap = Literal["step", "token", "time", "cost", "retry"]
+
+#: What ClickHouse can store: DateTime64(3) spans 1900-01-01 .. 2299-12-31, counts are
+#: UInt16/UInt32/UInt64 columns. An event outside these is refused (a dead letter), never
+#: accepted and then mangled or refused by the store, which would stall the pipeline.
+TS_MIN = datetime(1900, 1, 1, tzinfo=UTC)
+TS_MAX = datetime(2299, 12, 31, 23, 59, 59, 999000, tzinfo=UTC)
+U16_MAX = 2**16 - 1
+U32_MAX = 2**32 - 1
+I64_MAX = 2**63 - 1
+#: unknown fields (extras) may nest this deep; orjson writes at most 254 levels
+MAX_EXTRA_NESTING = 64
+#: per event; a run's sums of these must still fit 64 bits
+TOKENS_MAX = 10**12
 
 
 class SchemaVersionError(ValueError):
@@ -88,6 +101,20 @@ def canonical_args_hash(tool: str, args: Any) -> str:
     return hashlib.sha256(tool.encode() + b":" + body).hexdigest()[:16]
 
 
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether a decoded JSON value nests more than ``limit`` containers deep.
+
+    >>> _deeper_than([[1]], 2), _deeper_than([[[1]]], 2), _deeper_than({"a": 1}, 0)
+    (False, True, True)
+    """
+    if not isinstance(value, dict | list):
+        return False
+    if limit <= 0:
+        return True
+    children = value.values() if isinstance(value, dict) else value
+    return any(_deeper_than(child, limit - 1) for child in children)
+
+
 def _now() -> datetime:
     return datetime.now(UTC)
 
@@ -116,6 +143,8 @@ class EventBase(BaseModel):
     @field_validator("schema_version", mode="before")
     @classmethod
     def _supported_major(cls, value: Any) -> str:
+        if value == SCHEMA_VERSION:  # the common case, without parsing (hot path)
+            return SCHEMA_VERSION
         return check_schema_version(str(value))
 
     @field_validator("ts", mode="before")
@@ -123,13 +152,30 @@ class EventBase(BaseModel):
     def _epoch_millis(cls, value: Any) -> Any:
         """Accept ISO-8601 strings or epoch milliseconds; naive times are UTC."""
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return datetime.fromtimestamp(value / 1000.0, tz=UTC)
+            try:
+                return datetime.fromtimestamp(value / 1000.0, tz=UTC)
+            except (OverflowError, OSError, ValueError):
+                raise ValueError(f"epoch milliseconds {value!r} is not a date") from None
         return value
 
     @field_validator("ts")
     @classmethod
     def _utc(cls, value: datetime) -> datetime:
-        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+        value = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+        if not TS_MIN <= value <= TS_MAX:
+            raise ValueError(f"ts {value.isoformat()} is outside 1900-01-01 .. 2299-12-31")
+        return value
+
+    @model_validator(mode="after")
+    def _shallow_extras(self) -> EventBase:
+        """Unknown fields may hold any JSON, but not nested deeper than
+        :data:`MAX_EXTRA_NESTING`: deeper values cannot be re-encoded for storage."""
+        if self.model_extra:
+            for name, value in self.model_extra.items():
+                if _deeper_than(value, MAX_EXTRA_NESTING):
+                    raise ValueError(
+                        f"{name}: nested deeper than {MAX_EXTRA_NESTING} levels")
+        return self
 
     @property
     def extras(self) -> dict[str, Any]:
@@ -138,37 +184,38 @@ class EventBase(BaseModel):
 
 class RunStart(EventBase):
     event_type: Literal["run.start"] = "run.start"
-    step_cap: int | None = Field(None, ge=1)
-    token_cap: int | None = Field(None, ge=1)
+    step_cap: int | None = Field(None, ge=1, le=U32_MAX)
+    token_cap: int | None = Field(None, ge=1, le=TOKENS_MAX)
     time_cap_s: float | None = Field(None, gt=0)
     max_cost_usd: float | None = Field(None, ge=0)
-    expected_steps: int | None = Field(None, ge=1)
+    expected_steps: int | None = Field(None, ge=1, le=U32_MAX)
     interactive: bool | None = None
 
 
 class Step(EventBase):
     event_type: Literal["step"] = "step"
-    step: int = Field(ge=0)
+    step: int = Field(ge=0, le=U32_MAX)
     step_type: Literal["plan", "act", "observe", "synthesize"] = "act"
     duration_ms: float = Field(0.0, ge=0)
     action_type: str = ""
     tool: str | None = None
     args_hash: str | None = None
-    tokens_in: int = Field(0, ge=0)
-    tokens_out: int = Field(0, ge=0)
+    tokens_in: int = Field(0, ge=0, le=TOKENS_MAX)
+    tokens_out: int = Field(0, ge=0, le=TOKENS_MAX)
     cost_usd: float = Field(0.0, ge=0)
 
 
 class LlmCall(EventBase):
     event_type: Literal["llm.call"] = "llm.call"
-    step: int | None = Field(None, ge=0)
+    step: int | None = Field(None, ge=0, le=U32_MAX)
     provider: str = ""
     response_model: str = Field("", description="resolved model version the provider returned")
     purpose: str = "agent"
-    input_tokens: int = Field(0, ge=0, description="OTel: includes cache reads and writes")
-    output_tokens: int = Field(0, ge=0)
-    cache_read_input_tokens: int = Field(0, ge=0)
-    cache_creation_input_tokens: int = Field(0, ge=0)
+    input_tokens: int = Field(
+        0, ge=0, le=TOKENS_MAX, description="OTel: includes cache reads and writes")
+    output_tokens: int = Field(0, ge=0, le=TOKENS_MAX)
+    cache_read_input_tokens: int = Field(0, ge=0, le=TOKENS_MAX)
+    cache_creation_input_tokens: int = Field(0, ge=0, le=TOKENS_MAX)
     cache_ttl: Literal["5m", "1h"] = "5m"
     token_convention: Literal["otel", "exclusive"] = "otel"
     cost_usd: float | None = Field(None, ge=0, description="what the agent reported")
@@ -177,14 +224,14 @@ class LlmCall(EventBase):
     http_status: int | None = Field(None, ge=100, le=599)
     error_type: str | None = None
     retry_after_s: float | None = Field(None, ge=0)
-    attempt: int = Field(1, ge=1)
+    attempt: int = Field(1, ge=1, le=U16_MAX)
     logical_op_id: str | None = None
     stop_reason: str | None = None
     system_prompt_hash: str | None = None
     prompt_hash: str | None = None
-    prompt_bytes: int | None = Field(None, ge=0)
+    prompt_bytes: int | None = Field(None, ge=0, le=I64_MAX)
     response_hash: str | None = None
-    response_bytes: int | None = Field(None, ge=0)
+    response_bytes: int | None = Field(None, ge=0, le=I64_MAX)
 
     @property
     def uncached_input_tokens(self) -> int:
@@ -195,7 +242,7 @@ class LlmCall(EventBase):
 
 class ToolCall(EventBase):
     event_type: Literal["tool.call"] = "tool.call"
-    step: int | None = Field(None, ge=0)
+    step: int | None = Field(None, ge=0, le=U32_MAX)
     tool: str = Field(min_length=1)
     args_hash: str = ""
     latency_ms: float = Field(0.0, ge=0)
@@ -206,18 +253,18 @@ class ToolCall(EventBase):
     )
     error_type: str | None = None
     http_status: int | None = Field(None, ge=100, le=599)
-    result_count: int | None = Field(None, ge=0)
-    result_size_bytes: int | None = Field(None, ge=0)
-    attempt: int = Field(1, ge=1)
+    result_count: int | None = Field(None, ge=0, le=U32_MAX)
+    result_size_bytes: int | None = Field(None, ge=0, le=I64_MAX)
+    attempt: int = Field(1, ge=1, le=U16_MAX)
 
 
 class RunEnd(EventBase):
     event_type: Literal["run.end"] = "run.end"
     terminal_reason: TerminalReason | None = None
     cap: Cap | None = None
-    step_cap: int | None = Field(None, ge=1)
-    token_cap: int | None = Field(None, ge=1)
-    total_steps: int | None = Field(None, ge=0)
+    step_cap: int | None = Field(None, ge=1, le=U32_MAX)
+    token_cap: int | None = Field(None, ge=1, le=TOKENS_MAX)
+    total_steps: int | None = Field(None, ge=0, le=U32_MAX)
     total_cost_usd: float | None = Field(None, ge=0)
     error_type: str | None = None
 

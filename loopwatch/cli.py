@@ -240,6 +240,9 @@ def detect(data_dir: DataDir = None) -> None:
     engine = build_engine(settings, connect(settings), connect(settings))
     console.print(f"detectors running every {settings.detect_interval_s:g}s; Ctrl-C stops")
     stop = threading.Event()
+    from loopwatch.capture.decide import start_decider  # capture decisions run here too
+
+    start_decider(settings, connect(settings), stop)
     try:
         engine.run(stop, settings.detect_interval_s)
     except KeyboardInterrupt:
@@ -328,7 +331,7 @@ def scenario_score(
     base = settings_from(data_dir)
     folder = base.data_dir / "scorecard"
     shutil.rmtree(folder, ignore_errors=True)
-    settings = settings_from(folder, abandon_ttl_s=360.0)
+    settings = settings_from(folder, abandon_ttl_s=360.0, apply_retention=False)
     started = time.monotonic()
 
     def progress(message: str) -> None:
@@ -423,10 +426,12 @@ def _register_parts() -> None:
     from bench.cli import register as register_bench
     from dashboards.cli import register as register_dashboards
     from ingest.cli import register as register_ingest
+    from loopwatch.replay.cli import register as register_replay
 
     register_ingest(app)
     register_dashboards(app)
     register_bench(app)
+    register_replay(app)
 
 
 _register_parts()

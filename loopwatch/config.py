@@ -14,6 +14,8 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from loopwatch.masking import safe_url
+
 
 def default_data_dir() -> Path:
     """Per-user default: ``$XDG_DATA_HOME/loopwatch`` or ``~/.local/share/loopwatch``."""
@@ -38,6 +40,7 @@ class Settings(BaseSettings):
         env_nested_delimiter="__",
         frozen=True,
         extra="ignore",
+        hide_input_in_errors=True,  # a rejected value may be a password-bearing URL
     )
 
     data_dir: Path = Field(default_factory=default_data_dir)
@@ -45,7 +48,7 @@ class Settings(BaseSettings):
         None, description="host:port[,host:port]; unset = start the embedded broker"
     )
     clickhouse_url: str | None = Field(
-        None, description="http(s)://user:pass@host:port/db; unset = embedded chdb"
+        None, repr=False, description="http(s)://user:pass@host:port/db; unset = embedded chdb"
     )
     database: str = "loopwatch"
     events_topic: str = "loopwatch.events"
@@ -59,6 +62,9 @@ class Settings(BaseSettings):
 
     late_allowance_s: float = Field(
         5.0, ge=0, description="how far behind the newest event time a late event may be"
+    )
+    max_clock_skew_s: float = Field(
+        300.0, gt=0, description="event times further ahead of the clock don't move event time"
     )
     idle_advance_s: float = Field(
         10.0, gt=0, description="with no events for this long, event time follows the clock"
@@ -87,11 +93,12 @@ class Settings(BaseSettings):
     detect_interval_s: float = Field(15.0, gt=0, description="seconds between rule passes")
     alertmanager_url: str | None = Field(None, description="post alerts to this Alertmanager")
     webhook_url: str | None = Field(None, description="loopwatch's own signed webhook")
-    webhook_secret: str = Field("", description="HMAC-SHA256 key for the webhook signature")
-    slack_webhook_url: str | None = None
+    webhook_secret: str = Field(
+        "", repr=False, description="HMAC-SHA256 key for the webhook signature")
+    slack_webhook_url: str | None = Field(None, repr=False, description="its path is a secret")
     pagerduty_url: str | None = Field(
         None, description="PagerDuty Events API v2 endpoint (enqueue URL)")
-    pagerduty_routing_key: str = ""
+    pagerduty_routing_key: str = Field("", repr=False)
     renotify_s: float = Field(4 * 3600.0, gt=0, description="re-send a still-firing alert")
     alertmanager_resend_s: float = Field(60.0, gt=0)
     silences: list[dict[str, Any]] = Field(default_factory=list)
@@ -129,12 +136,15 @@ class Settings(BaseSettings):
         0.10, ge=0, description="trace economics: what a stored compressed GB costs")
 
     # -- retention and security (docs/operations.md) ---------------------------------
+    apply_retention: bool = Field(
+        True, description="set per-table TTLs at start; off for a store fed in simulated "
+        "time (the scorecard replays January), since TTLs go by event time")
     retention_days: dict[str, int] = Field(
         default_factory=dict, description="per-table TTL overrides, table -> days")
     data_dir_max_bytes: int | None = Field(
         None, ge=1024 * 1024, description="cap on the data dir; oldest partitions dropped first")
     web_token: str | None = Field(
-        None, description="require `Authorization: Bearer <token>` on the web view")
+        None, repr=False, description="require `Authorization: Bearer <token>` on the web view")
 
     @field_validator("clickhouse_url")
     @classmethod
@@ -142,7 +152,7 @@ class Settings(BaseSettings):
         if value is not None and not value.startswith(("http://", "https://")):
             raise ValueError(
                 "LOOPWATCH_CLICKHOUSE_URL must start with http:// or https:// "
-                f"(got {value!r}); leave it unset to use the embedded chdb store"
+                f"(got {safe_url(value)!r}); leave it unset to use the embedded chdb store"
             )
         return value
 

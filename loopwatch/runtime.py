@@ -30,11 +30,13 @@ from ingest.otlp.settings import load_otlp_settings
 from loopwatch.config import Settings
 from loopwatch.deadletters import replay_pending
 from loopwatch.embedded.broker import EmbeddedBroker
+from loopwatch.masking import safe_url
 from loopwatch.reprocess import reprocess_with
 from loopwatch.store.clickhouse import connect, migrate
 from loopwatch.store.reader import DirectReader, Reader, ServiceReader, running_service
 from loopwatch.store.remote_sink import ServiceSink
 from loopwatch.store.service import StoreService
+from loopwatch.store.sizecap import start_size_cap
 from loopwatch.topics import LagProbe, ensure_topics
 from processors.app import Processor
 from processors.runs import RunState
@@ -76,13 +78,14 @@ class DrainingWorker(faust.Worker):
         self._drain_task = asyncio.ensure_future(self._drain(), loop=self.loop)
 
     async def _drain(self) -> None:
-        """Stop once the group's committed offsets reach the end of the events topic."""
+        """Stop once the group's committed offsets reach the end of its topics."""
         settings = self._processor.settings
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + self._drain_timeout_s
         try:
             probe = await loop.run_in_executor(None, LagProbe, self._bootstrap,
-                                               settings.consumer_group, settings.events_topic)
+                                               settings.consumer_group, settings.events_topic,
+                                               settings.captures_topic)
             try:
                 while time.monotonic() < deadline:
                     lag = await loop.run_in_executor(None, probe.lag)
@@ -133,7 +136,7 @@ def _insert_action(client: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
 
 
 INSERTABLE = frozenset({"events", "llm_calls", "tool_calls", "runs", "labels", "annotations",
-                        "dead_letters"})
+                        "dead_letters", "capture_staging", "capture_staging_blobs"})
 
 
 def run_worker(settings: Settings, loglevel: str = "warning",
@@ -254,7 +257,8 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
             sink = FaultInjectingSink(sink, Path(fault_marker))
         processor = Processor(settings, bootstrap, sink,
                               open_runs=open_runs, lookup_run=lookup_run)
-        store = settings.clickhouse_url or f"chdb://{settings.chdb_path}"
+        store = (safe_url(settings.clickhouse_url) if settings.clickhouse_url
+                 else f"chdb://{settings.chdb_path}")  # announced and printed: no password
 
         detectors = start_detectors(settings, connect(settings), connect(settings),
                                     detectors_stop)
@@ -287,6 +291,9 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
         if on_status is not None:
             _report_status(status, on_status, every_s=5.0)
         _sample_gauges(settings, bootstrap, connect(settings), status, detectors_stop)
+        start_size_cap(settings, connect(settings), detectors_stop)
+        from loopwatch.capture.decide import start_decider  # capture decisions (docs/capture.md)
+        start_decider(settings, connect(settings), detectors_stop)
         worker = DrainingWorker(processor, bootstrap, drain_timeout_s, stop_requested,
                                 loglevel=loglevel, quiet=True, redirect_stdouts=False,
                                 logfile=str(settings.data_dir / "logs" / "worker.log"))

@@ -28,7 +28,8 @@ def test_reduced_scorecard_detects_every_scenario_without_false_pages(local_stor
     """In a database of its own inside the session's chdb store (chdb allows one store
     per process), so other tests' data cannot add alerts or slow the queries."""
     shared, _ = local_store
-    settings = Settings(data_dir=shared.data_dir, database="scorecard_check")
+    settings = Settings(data_dir=shared.data_dir, database="scorecard_check",
+                        apply_retention=False)
     client = migrate(settings)
     card = score(client, settings, seed=11, history_days=0.25, baseline_hours=1,
                  scenario_names=REDUCED, observe_minutes=20)

@@ -39,7 +39,8 @@ def run_live(scenario: Scenario, data_dir: Path, *, speed: float = 60.0, seed: i
              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     say = progress or (lambda message: None)
     shutil.rmtree(data_dir, ignore_errors=True)
-    env = {"LOOPWATCH_DETECT_INTERVAL_S": "1", "LOOPWATCH_ABANDON_TTL_S": "360"}
+    env = {"LOOPWATCH_DETECT_INTERVAL_S": "1", "LOOPWATCH_ABANDON_TTL_S": "360",
+           "LOOPWATCH_MAX_CLOCK_SKEW_S": str(86400 * 7)}  # simulated time runs ahead
     traffic = Traffic(FLEET, seed)
     with UpProcess(data_dir, env) as up:
         emitter = Emitter(up.info["kafka_bootstrap"], up.info["events_topic"],

@@ -17,6 +17,7 @@ import clickhouse_connect
 from clickhouse_connect.driver.client import Client
 
 from loopwatch.config import Settings
+from loopwatch.store.retention import apply_retention
 
 READONLY_SETTINGS = {"readonly": 1}
 
@@ -82,7 +83,8 @@ def statements(sql: str) -> list[str]:
 
 
 def migrate(settings: Settings) -> Client:
-    """Create the database and apply every migration; safe to run at every start."""
+    """Create the database, apply every migration and the retention TTLs
+    (:mod:`loopwatch.store.retention`); safe to run at every start."""
     bootstrap = connect(settings, database="")
     bootstrap.command(f"CREATE DATABASE IF NOT EXISTS {settings.database}")
     client = connect(settings) if settings.clickhouse_url else bootstrap
@@ -91,6 +93,8 @@ def migrate(settings: Settings) -> Client:
     for _name, sql in migrations():
         for statement in statements(sql):
             client.command(statement)
+    if settings.apply_retention:
+        apply_retention(client, settings)
     return client
 
 

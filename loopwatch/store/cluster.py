@@ -12,7 +12,8 @@ For a sharded, replicated ClickHouse cluster this module rewrites them:
   stay on one shard, so ``FINAL`` deduplicates within a shard), else the table's
   dedup key (see :data:`SHARDING_KEYS`);
 - views are created ``ON CLUSTER`` over the Distributed tables;
-- a retention section sets TTLs on the ``_local`` tables (:data:`RETENTION`).
+- a retention section sets TTLs on the ``_local`` tables (the defaults of
+  :data:`loopwatch.store.retention.RETENTION`, which single-node ``migrate`` applies too).
 
 ``python -m loopwatch.store.cluster --cluster NAME [--database loopwatch]`` prints the
 DDL; ``deploy/clickhouse/cluster.sql`` is that output for ``--cluster loopwatch``.
@@ -35,6 +36,9 @@ import sys
 from dataclasses import dataclass
 
 from loopwatch.store.clickhouse import migrations, statements
+from loopwatch.store.retention import RETENTION, Retention
+
+__all__ = ["RETENTION", "Retention", "render_cluster_ddl", "render_sql"]
 
 #: Where each replica keeps its part of a table in Keeper; ClickHouse fills the macros.
 REPLICA_PATH = "'/clickhouse/tables/{shard}/{database}/{table}', '{replica}'"
@@ -46,39 +50,6 @@ LOCAL_SUFFIX = "_local"
 SHARDING_KEYS: dict[str, str] = {
     "dead_letters": "id", "capture_blobs": "hash", "capture_staging_blobs": "hash"}
 
-
-@dataclass(frozen=True)
-class Retention:
-    """Rows older than ``days`` by ``column`` are dropped (TTL on the ``_local`` table)."""
-
-    column: str
-    days: int
-    why: str
-
-    def ttl(self) -> str:
-        return f"toDateTime({self.column}) + INTERVAL {self.days} DAY"
-
-
-RAW_DAYS = 30
-DERIVED_DAYS = 180
-
-#: Retention per table. Raw input (events, dead letters) is the bulk of the bytes and
-#: is only needed for replay and investigation: 30 days. Derived tables feed trends and
-#: baselines: 180 days. Tables with a TTL in their migration (``pipeline_gauges``) keep it.
-RETENTION: dict[str, Retention] = {
-    "events": Retention("ts", RAW_DAYS, "raw events (replay, reprocess, investigations)"),
-    "dead_letters": Retention("received_at", RAW_DAYS, "refused raw input"),
-    "llm_calls": Retention("ts", DERIVED_DAYS, "derived: one row per LLM call"),
-    "tool_calls": Retention("ts", DERIVED_DAYS, "derived: one row per tool call"),
-    "runs": Retention("last_event_ts", DERIVED_DAYS, "derived: one row per run"),
-    "labels": Retention("ts", DERIVED_DAYS, "derived: verdicts"),
-    "annotations": Retention("ts", DERIVED_DAYS, "derived: deploys, model and prompt changes"),
-    "alerts": Retention("started_at", DERIVED_DAYS, "derived: alert history"),
-    "rule_evaluations": Retention("evaluated_at", DERIVED_DAYS, "derived: latest evaluations"),
-    "capture_parts": Retention("kept_at", RAW_DAYS, "captured payloads of kept runs (replay)"),
-    "capture_blobs": Retention("kept_at", RAW_DAYS, "captured bodies, once per content hash"),
-    "capture_decisions": Retention("decided_at", RAW_DAYS, "why a run's payloads were kept"),
-}
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _TABLE = re.compile(

@@ -1,0 +1,97 @@
+"""Fault: the broker unreachable for 30 s.
+
+The embedded broker (Tansu) keeps its topics in memory, so it cannot be restarted
+without loss; it is paused instead (SIGSTOP, then SIGCONT): connections stay open and
+nothing answers, which is what an unreachable broker looks like to a client.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from ingest.sdk import Emitter
+from loopwatch.embedded.broker import EmbeddedBroker
+from loopwatch.upprocess import UpProcess
+from tests.conftest import scalar, stored_events, wait_for, wait_stored
+
+PAUSE_S = 30.0
+RUNS_BEFORE, RUNS_DURING, RUNS_AFTER = 20, 40, 20
+EVENTS_PER_RUN = 4  # run.start, step, llm.call, run.end
+
+
+def emit_runs(emitter: Emitter, agent: str, runs: int) -> None:
+    for _ in range(runs):
+        with emitter.run(agent=agent, model="gpt-4o") as run:
+            run.step()
+            run.llm_call(input_tokens=100, output_tokens=10)
+
+
+def test_broker_paused_for_30s_emitters_spool_and_resend_nothing_lost(
+        broker: EmbeddedBroker, pipeline: UpProcess, reader, emitter: Emitter, agent: str,
+        tmp_path: Path):
+    """Guarantee: while the broker does not answer, emitters never block the agent and
+    lose nothing. Two emitters see the outage: one already connected (the ``emitter``
+    fixture; its producer holds unacknowledged events and retries them, spooling what
+    still fails when its retries run out) and one an agent starts during the outage (it
+    cannot bootstrap, so every event goes to the on-disk spool and is resent once the
+    broker answers). Duplicates from resends are harmless (``event_id`` deduplicates).
+    Afterwards every event is stored exactly once, every run has exact counters, and the
+    shared pipeline keeps consuming (runs emitted after the pause are stored too)."""
+    assert broker.pid is not None
+    emit_runs(emitter, agent, RUNS_BEFORE)
+    assert emitter.flush(30)
+    wait_stored(reader, agent, RUNS_BEFORE * EVENTS_PER_RUN)
+
+    late = Emitter(broker.bootstrap, spool_dir=tmp_path / "spool-late",
+                   max_message_bytes=100_000)
+    os.kill(broker.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        emit_runs(emitter, agent, RUNS_DURING)  # returns at once: nothing waits on Kafka
+        emit_runs(late, f"{agent}-late", RUNS_DURING)
+        wait_for(lambda: late.stats.spooled == RUNS_DURING * EVENTS_PER_RUN, PAUSE_S,
+                 what="the emitter started during the outage to spool everything")
+        assert late.stats.sent == 0
+        time.sleep(max(0.0, PAUSE_S - (time.monotonic() - started)))
+    finally:
+        os.kill(broker.pid, signal.SIGCONT)
+
+    total = (RUNS_BEFORE + RUNS_DURING) * EVENTS_PER_RUN
+    try:
+        for running in (emitter, late):
+            wait_for(lambda running=running: running.spool.size() == 0
+                     and running.outstanding == 0, 120, what="the spool to be resent")
+        assert late.stats.resent >= RUNS_DURING * EVENTS_PER_RUN
+        assert late.stats.sent >= RUNS_DURING * EVENTS_PER_RUN
+    finally:
+        late.close(10)
+    wait_stored(reader, agent, total, timeout_s=180)
+    wait_stored(reader, f"{agent}-late", RUNS_DURING * EVENTS_PER_RUN, timeout_s=180)
+
+    # The shared pipeline still consumes after the pause (other tests rely on it).
+    emit_runs(emitter, f"{agent}-after", RUNS_AFTER)
+    assert emitter.flush(60)
+    wait_stored(reader, f"{agent}-after", RUNS_AFTER * EVENTS_PER_RUN, timeout_s=180)
+
+    assert stored_events(reader, agent) == total
+    assert stored_events(reader, f"{agent}-late") == RUNS_DURING * EVENTS_PER_RUN
+    assert stored_events(reader, f"{agent}-after") == RUNS_AFTER * EVENTS_PER_RUN
+    for name, runs in ((agent, RUNS_BEFORE + RUNS_DURING), (f"{agent}-late", RUNS_DURING),
+                       (f"{agent}-after", RUNS_AFTER)):
+        wait_for(lambda name=name, runs=runs: scalar(
+            reader, "SELECT count() FROM runs FINAL WHERE agent = {a:String} "
+                    "AND status = 'closed'", a=name) == runs, 60, what=f"{name} runs closed")
+        row = reader.query("SELECT count(), sum(steps), sum(llm_calls), sum(input_tokens), "
+                           "countIf(outcome = 'success') FROM runs FINAL "
+                           "WHERE agent = {a:String}", {"a": name}).rows[0]
+        assert row == [runs, runs, runs, runs * 100, runs]
+        calls = scalar(reader, "SELECT count() FROM llm_calls FINAL WHERE agent = {a:String}",
+                       a=name)
+        assert calls == runs
+    assert pipeline.running
+    print(f"\nbroker paused {PAUSE_S:.0f}s: connected emitter spooled "
+          f"{emitter.stats.spooled}, resent {emitter.stats.resent}; emitter started in the "
+          f"outage spooled {late.stats.spooled}, resent {late.stats.resent}")

@@ -102,12 +102,21 @@ def _wait_for_captures(up: UpProcess, emitter: Emitter, timeout_s: float) -> Non
         time.sleep(0.5)
 
 
+#: A kept failed run worth replaying: a loop first, since its replay shows the repeats.
+EXAMPLE_RUN_SQL = """
+SELECT run_id FROM capture_decisions FINAL WHERE keep = 1 AND outcome != 'success'
+ORDER BY outcome = 'looped' DESC, parts DESC, run_id LIMIT 1
+"""
+
+
 def capture_summary(reader: Any) -> dict[str, Any]:
     """Runs kept, parts, bytes, and how much content addressing saved (dedup ratio)."""
     row = reader.query(CAPTURE_SQL).records()[0]
     summary: dict[str, Any] = {name: int(value or 0) for name, value in row.items()}
     summary["dedup_ratio"] = (summary["part_bytes"] / summary["blob_bytes"]
                               if summary["blob_bytes"] else None)
+    example = reader.query(EXAMPLE_RUN_SQL).rows
+    summary["example_run"] = example[0][0] if example else None
     return summary
 
 
@@ -218,3 +227,6 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     console.print(f"data: {report['store']}")
     console.print(f"investigate: loopwatch investigate top_cost_runs --data-dir {data_dir}")
     console.print(f"dashboards:  loopwatch serve --data-dir {data_dir}")
+    if capture and capture.get("example_run"):
+        console.print(f"replay:      loopwatch replay {capture['example_run']} "
+                      f"--data-dir {data_dir}")

@@ -28,6 +28,7 @@ free-text fields) are redacted too, since they leave the process as well.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -79,6 +80,7 @@ CAPTURE_MODES = ("off", "failures", "all")
 SPOOL_TOPIC_MARK = b"@"
 
 
+@functools.lru_cache(maxsize=65536)
 def partition_for(run_id: str, partitions: int) -> int:
     """kafka-python's default partitioner (murmur2 of the key), as Java clients do."""
     return (murmur2(run_id.encode()) & 0x7FFFFFFF) % partitions
@@ -175,9 +177,12 @@ class Emitter:
         """Queue one validated event; never blocks on the network."""
         if self._closed:
             raise RuntimeError("emitter is closed")
+        if not event.model_extra and all(
+                getattr(event, name, None) is None for name in FREE_TEXT_FIELDS):
+            self._enqueue([event.__pydantic_serializer__.to_json(event, exclude_none=True)])
+            return
         data = event.model_dump(mode="json", exclude_none=True)
-        if event.model_extra or any(name in data for name in FREE_TEXT_FIELDS):
-            self._redact_fields(event, data)
+        self._redact_fields(event, data)
         self._enqueue([orjson.dumps(data)])
 
     def _redact_fields(self, event: EventBase, data: dict[str, Any]) -> None:

@@ -56,7 +56,11 @@ class Settings(BaseSettings):
     partitions: int = Field(8, ge=1, le=1024)
     consumer_group: str = "loopwatch-processors"
 
-    batch_max_events: int = Field(2000, ge=1)
+    batch_max_events: int = Field(
+        2000, ge=1, description="messages per batch the processors take (faust's take_events "
+        "counts messages: an SDK envelope of many events counts once); run states are written "
+        "once per batch, so smaller batches write more state and were slower, not faster"
+    )
     batch_max_wait_s: float = Field(0.5, gt=0)
     max_message_bytes: int = Field(1_000_000, ge=1024)
 

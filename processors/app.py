@@ -39,22 +39,6 @@ CHUNK_BYTES = 4_000_000
 CHUNK_MESSAGE_BYTES = 400
 
 
-def quiet_spinner_logging() -> None:
-    """Undo faust's terminal-spinner logging: its Worker sets the root logger to DEBUG
-    and adds a DEBUG ``SpinnerHandler`` so the spinner sees every record, even with
-    ``loglevel="warning"``. Every produced and fetched message then builds a debug
-    ``LogRecord`` (aiokafka, faust.topics), ~10 % of the processor's CPU. The real
-    handlers keep their own levels; the root goes back to the lowest of them.
-    """
-    root = logging.getLogger()
-    spinners = [h for h in root.handlers if type(h).__name__ == "SpinnerHandler"]
-    for handler in spinners:
-        root.removeHandler(handler)
-    if spinners and root.level == logging.DEBUG:
-        levels = [h.level for h in root.handlers if h.level > logging.NOTSET]
-        root.setLevel(min(levels) if levels else logging.WARNING)
-
-
 #: gen-0 threshold of the cyclic GC while processing (CPython's default is 700)
 GC_GEN0_THRESHOLD = 50_000
 
@@ -187,7 +171,6 @@ class Processor:
         task, and a cancellation waits for it to finish, so no batch is ever acked with
         its events stored but its runs not.
         """
-        quiet_spinner_logging()  # the worker has set up logging by the time agents start
         tune_gc()
         async for events in stream.take_events(
             self.settings.batch_max_events, within=self.settings.batch_max_wait_s

@@ -17,9 +17,13 @@ from ingest.events import EventBase, LlmCall, RunEnd, RunStart
 from ingest.wire import encode_envelope
 from loopwatch.config import Settings
 from loopwatch.reprocess import MemoryRunStore, reprocess_with
-from loopwatch.store.clickhouse import run_query
+from loopwatch.runtime import _insert_action
+from loopwatch.store.clickhouse import connect, run_query
+from loopwatch.store.reader import QueryError, ServiceReader
+from loopwatch.store.remote_sink import ServiceSink
+from loopwatch.store.service import StoreService
 from processors.pipeline import Pipeline, RawMessage
-from processors.sink import ClickHouseSink
+from processors.sink import ClickHouseSink, RowBatch
 
 T0 = datetime(2026, 11, 29, 9, 0, tzinfo=UTC)
 
@@ -91,3 +95,45 @@ def test_reprocess_applies_a_new_price_table(store, tmp_path: Path):
     assert again == summary
     assert run_query(client, "SELECT count() FROM runs FINAL WHERE run_id = 'repriced'"
                      ).scalar() == 1
+
+
+def _rows(client, run_id: str) -> list[list[object]]:
+    return [row for table in ("events", "llm_calls", "runs")
+            for row in run_query(client, f"SELECT * FROM {table} FINAL WHERE run_id = "
+                                 "{run_id:String} ORDER BY ALL", {"run_id": run_id}).rows]
+
+
+def _delete(client, run_id: str) -> None:
+    for table in ("events", "llm_calls", "runs"):
+        client.command(f"DELETE FROM {table} WHERE run_id = '{run_id}'")
+
+
+def test_rows_through_the_store_service_equal_direct_inserts_and_redelivery_is_harmless(
+        store, tmp_path: Path):
+    """An extra worker's write path (ServiceSink -> owner's insert action) stores exactly
+    what the owner's own sink stores, answers only after the insert, and rejects a batch
+    naming a table it does not take without inserting any of it."""
+    settings, client = store
+    service = StoreService(client, lambda: {}, tmp_path / "service.json",
+                           raw_actions={"insert-batch": _insert_action(lambda: connect(settings))})
+    url = service.start({})
+    try:
+        sink = ServiceSink(ServiceReader(url))
+        work = Pipeline(settings, MemoryRunStore()).process(
+            messages(run_events("remote", 3.0), offset=11))
+        ClickHouseSink(client).write_batch(work.rows)
+        direct = _rows(client, "remote")
+        assert len(direct) == 5  # 3 events, 1 llm call, 1 run
+        _delete(client, "remote")
+        sink.write_batch(work.rows)
+        assert _rows(client, "remote") == direct
+        sink.write_batch(work.rows)  # redelivered after a crash before the commit
+        assert _rows(client, "remote") == direct
+
+        bad = RowBatch({"events": work.rows.tables["events"], "system_users": [{"x": 1}]})
+        _delete(client, "remote")
+        with pytest.raises(QueryError, match="does not take remote inserts"):
+            sink.write_batch(bad)
+        assert _rows(client, "remote") == []
+    finally:
+        service.stop()

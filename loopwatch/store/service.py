@@ -33,7 +33,9 @@ class StoreService:
     """Serves ``GET /health``, ``POST /query`` ({sql, parameters}) and admin actions.
 
     Admin actions (``POST /admin/<name>``) are the few writes other processes need from
-    the owner, e.g. ``dlq-replay`` and ``reprocess``; each takes and returns JSON.
+    the owner, e.g. ``dlq-replay`` and ``reprocess``; each takes and returns JSON. Raw
+    actions take the request body as bytes (bulk rows, which are not worth a JSON
+    envelope) and return JSON.
     """
 
     def __init__(
@@ -44,9 +46,11 @@ class StoreService:
         host: str = "127.0.0.1",
         port: int = 0,
         actions: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] | None = None,
+        raw_actions: dict[str, Callable[[bytes], dict[str, Any]]] | None = None,
     ) -> None:
         self._reader = reader
         self._actions = actions or {}
+        self._raw_actions = raw_actions or {}
         self._lock = threading.Lock()
         self._status = status
         self._service_file = service_file
@@ -100,16 +104,21 @@ class StoreService:
                     self._reply(404, {"error": f"no such endpoint {self.path}"})
 
             def do_POST(self) -> None:
-                action = service._actions.get(self.path.removeprefix("/admin/"))
-                if self.path != "/query" and action is None:
+                name = self.path.removeprefix("/admin/")
+                action = service._actions.get(name)
+                raw_action = service._raw_actions.get(name)
+                if self.path != "/query" and action is None and raw_action is None:
                     self._reply(404, {"error": f"no such endpoint {self.path}"})
                     return
                 try:
                     length = int(self.headers.get("Content-Length", "0"))
-                    body = orjson.loads(self.rfile.read(length))
-                    if action is not None:
-                        result = action(body)
+                    data = self.rfile.read(length)
+                    if raw_action is not None:
+                        result = raw_action(data)
+                    elif action is not None:
+                        result = action(orjson.loads(data))
                     else:
+                        body = orjson.loads(data)
                         result = service.query(str(body["sql"]),
                                                dict(body.get("parameters") or {}))
                 except Exception as exc:

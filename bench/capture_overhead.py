@@ -13,7 +13,8 @@ a ~1 KB response. Three modes, each against one embedded Tansu broker on loopbac
 * ``capture off``: bodies given, ``capture="off"``: redaction and hashing only, so the
   event can carry ``prompt_hash``/``response_hash`` and sizes, nothing sent;
 * ``capture on``: redaction, hashing, splitting into content-addressed parts, and
-  serialising the capture message, queued for the background sender.
+  building the capture message, queued for the background sender (which serialises
+  it, leaving out bodies the broker already acknowledged).
 
 Reported per step: median and mean microseconds in the caller, the ratio to ``no
 bodies``, and the bytes each step puts on Kafka (events topic + captures topic, before

@@ -21,7 +21,7 @@ and the OTLP receiver encode; the processors store; replay decodes.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from typing import Any, Literal
 
 import orjson
@@ -73,6 +73,26 @@ class CaptureMessage(BaseModel):
     tool: str | None = None
     parts: dict[Literal["prompt", "response", "args", "output"], PartRef]
     blobs: dict[str, Blob]
+    #: hashes of blobs this sender already delivered in an earlier message (acked by the
+    #: broker), so their bodies are not sent again; the parts may reference them
+    sent_before: list[str] = Field(default_factory=list)
+
+    def without(self, delivered: Container[str]) -> CaptureMessage:
+        """This message minus the bodies the receiver already has (named in
+        ``sent_before`` instead).
+
+        >>> m = build_capture_message(event_id="e", run_id="r", agent="a", ts="t",
+        ...     event_type="llm.call", step=0, tool=None, values={"response": "hi"})
+        >>> lean = m.without({next(iter(m.blobs))})
+        >>> lean.blobs, lean.sent_before == list(m.blobs)
+        ({}, True)
+        """
+        known = [digest for digest in self.blobs if digest in delivered]
+        if not known:
+            return self
+        return self.model_copy(update={
+            "blobs": {d: blob for d, blob in self.blobs.items() if d not in delivered},
+            "sent_before": [*self.sent_before, *known]})
 
 
 def blob_hash(encoding: str, body: str) -> str:

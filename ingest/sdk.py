@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
@@ -108,11 +108,57 @@ class EmitterStats:
 
 @dataclass(frozen=True, slots=True)
 class Outgoing:
-    """One message for a topic other than the events topic (a capture message)."""
+    """One message for a topic other than the events topic (a capture message).
+
+    A capture queued by this emitter keeps its ``message``: the sender leaves out the
+    bodies the broker already acknowledged (:class:`DeliveredBlobs`) when it encodes it.
+    A spooled one comes back as ``value`` bytes, always whole.
+    """
 
     topic: str
     run_id: str
     value: bytes
+    message: CaptureMessage | None = None
+
+    def whole(self) -> bytes:
+        """The message with every body, as it is spooled."""
+        if self.message is None:
+            return self.value
+        return self.message.__pydantic_serializer__.to_json(self.message)
+
+
+class DeliveredBlobs:
+    """Blob hashes the broker acknowledged recently, so later captures need not carry
+    them again: an agent re-sends its system prompt and whole conversation on every
+    call. An entry is forgotten after ``resend_s`` (the body then travels again, which
+    refreshes it in the store's staging table long before that table's 7-day TTL), and
+    the oldest go first beyond ``max_entries``.
+
+    >>> delivered = DeliveredBlobs(resend_s=60, clock=lambda: 0.0)
+    >>> delivered.add(["h1"]); "h1" in delivered, "h2" in delivered
+    (True, False)
+    """
+
+    def __init__(self, resend_s: float = 3600.0, max_entries: int = 100_000,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._resend_s = resend_s
+        self._max_entries = max_entries
+        self._clock = clock
+        self._acked: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def add(self, hashes: Iterable[str]) -> None:
+        now = self._clock()
+        with self._lock:
+            for digest in hashes:
+                self._acked.pop(digest, None)
+                self._acked[digest] = now
+            while len(self._acked) > self._max_entries:
+                del self._acked[next(iter(self._acked))]
+
+    def __contains__(self, digest: object) -> bool:
+        acked = self._acked.get(digest) if isinstance(digest, str) else None
+        return acked is not None and self._clock() - acked < self._resend_s
 
 
 class Emitter:
@@ -168,6 +214,7 @@ class Emitter:
         self._closed = False
         self._late_calls = ThreadPoolExecutor(max_workers=32, thread_name_prefix="tool")
         self._next_resend = 0.0
+        self.delivered_blobs = DeliveredBlobs()
         self._thread = threading.Thread(target=self._run, name="loopwatch-emitter", daemon=True)
         self._thread.start()
 
@@ -220,12 +267,10 @@ class Emitter:
             return
         if self._closed:
             raise RuntimeError("emitter is closed")
-        value = message.__pydantic_serializer__.to_json(message)
         with self._outstanding_lock:
             self._outstanding += 1
         self.stats.captures += 1
-        self.stats.capture_bytes += len(value)
-        self._queue.put(Outgoing(self.captures_topic, message.run_id, value))
+        self._queue.put(Outgoing(self.captures_topic, message.run_id, b"", message))
 
     def emit_raw(self, lines: list[bytes]) -> None:
         """Queue already-encoded events (used by ``dlq replay`` and importers).
@@ -531,19 +576,28 @@ class Emitter:
             if not partitions:
                 self._spool_outgoing([item])
                 continue
+            carried: list[str] = []
+            value = item.value
+            if item.message is not None:
+                lean = item.message.without(self.delivered_blobs)
+                carried = list(lean.blobs)
+                value = lean.__pydantic_serializer__.to_json(lean)
+            self.stats.capture_bytes += len(value)
             try:
                 future = self._producer.send(
-                    item.topic, value=item.value, key=item.run_id.encode(),
+                    item.topic, value=value, key=item.run_id.encode(),
                     partition=partition_for(item.run_id, partitions))
             except KafkaError as exc:
                 self.stats.send_errors += 1
                 log.warning("send to %s failed (%s); spooling", item.topic, exc)
                 self._spool_outgoing([item])
                 continue
-            future.add_callback(self._delivered_outgoing)
+            future.add_callback(self._delivered_outgoing, carried)
             future.add_errback(self._failed_outgoing, item)
 
-    def _delivered_outgoing(self, _: Any) -> None:
+    def _delivered_outgoing(self, carried: list[str], _: Any) -> None:
+        """Acknowledged: its bodies need not travel again for a while."""
+        self.delivered_blobs.add(carried)
         self.stats.captures_sent += 1
         self._settled(1)
 
@@ -556,7 +610,7 @@ class Emitter:
         """Spool capture messages while the spool is under half full: the other half is
         kept for events, which matter more than bodies."""
         for item in items:
-            line = SPOOL_TOPIC_MARK + item.topic.encode() + b" " + item.value
+            line = SPOOL_TOPIC_MARK + item.topic.encode() + b" " + item.whole()
             kept = 0
             if self.spool.size() + len(line) < self.spool.max_bytes // 2:
                 kept = self.spool.append([line])

@@ -27,6 +27,7 @@ import orjson
 from detectors.service import start_detectors
 from ingest.otlp.server import OtlpReceiver
 from ingest.otlp.settings import load_otlp_settings
+from loopwatch.capture.decide import start_decider
 from loopwatch.config import Settings
 from loopwatch.deadletters import replay_pending
 from loopwatch.embedded.broker import EmbeddedBroker
@@ -316,7 +317,6 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
             _report_status(status, on_status, every_s=5.0)
         _sample_gauges(settings, bootstrap, connect(settings), status, detectors_stop)
         start_size_cap(settings, connect(settings), detectors_stop)
-        from loopwatch.capture.decide import start_decider  # capture decisions (docs/capture.md)
         start_decider(settings, connect(settings), detectors_stop)
         worker = DrainingWorker(processor, bootstrap, drain_timeout_s, stop_requested,
                                 loglevel=loglevel, quiet=True, redirect_stdouts=False,

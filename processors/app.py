@@ -25,6 +25,7 @@ import faust
 import orjson
 
 from loopwatch.config import Settings
+from processors.capture_app import register_captures
 from processors.pipeline import Pipeline, RawMessage, Work
 from processors.runs import RunState
 from processors.sink import RetryingSink, Sink
@@ -156,7 +157,6 @@ class Processor:
         self.app.on_partitions_assigned.connect(reindex_on_assignment)
         self.app.agent(self.events_topic, name="assemble-runs")(self._assemble)
         self.app.timer(settings.sweep_interval_s, name="sweep-runs")(self._sweep)
-        from processors.capture_app import register_captures  # captures topic (its own agent)
         self.capture_stage = register_captures(self)
 
     async def _assemble(self, stream: Any) -> None:

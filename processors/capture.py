@@ -83,7 +83,8 @@ def parse_capture(value: bytes | None) -> CaptureMessage:
         if part.encoding != "messages" and len(part.hashes) != 1:
             raise InvalidCapture(f"part {name} ({part.encoding}) has {len(part.hashes)} "
                                  "blobs, expected 1")
-        missing = [digest for digest in part.hashes if digest not in message.blobs]
+        missing = [digest for digest in part.hashes
+                   if digest not in message.blobs and digest not in message.sent_before]
         if missing:
             raise InvalidCapture(f"part {name} references missing blob {missing[0][:16]}…")
     for digest, blob in message.blobs.items():

@@ -156,6 +156,28 @@ def test_bodies_travel_on_the_captures_topic_serialised_at_the_call(broker, tmp_
     assert (emitter.stats.captures, emitter.stats.captures_sent) == (1, 1)
 
 
+def test_bodies_the_broker_already_acknowledged_are_not_sent_again(broker, tmp_path: Path):
+    """The system prompt travels once: a later call names it in ``sent_before`` instead
+    of carrying it, and the receiver's blobs (staged by hash) reassemble every call."""
+    events, captures = f"sdk-{uuid.uuid4().hex[:8]}", f"cap-{uuid.uuid4().hex[:8]}"
+    create_topic(broker.bootstrap, events)
+    create_topic(broker.bootstrap, captures)
+    system = {"role": "system", "content": "rules " * 500}
+    with (Emitter(broker.bootstrap, events, tmp_path, captures_topic=captures) as emitter,
+          emitter.run(agent="a") as run):
+        run.llm_call(prompt=[system, {"role": "user", "content": "one"}], response="1")
+        assert emitter.flush(30)  # acknowledged: the system prompt is now known sent
+        run.llm_call(prompt=[system, {"role": "user", "content": "two"}], response="2")
+    first, second = (message for _, _, message in read_captures(broker.bootstrap, captures))
+    system_hash = first.parts["prompt"].hashes[0]
+    assert system_hash in first.blobs and first.sent_before == []
+    assert system_hash not in second.blobs and second.sent_before == [system_hash]
+    staged = {**first.blobs, **second.blobs}
+    assert assemble_part(second.parts["prompt"], staged) == [
+        system, {"role": "user", "content": "two"}]
+    assert len(second.model_dump_json()) < len(first.model_dump_json()) - 2000
+
+
 def test_capture_messages_spool_with_their_topic_and_are_resent(tmp_path: Path):
     port = free_port()
     emitter = Emitter(f"127.0.0.1:{port}", "spooled", tmp_path / "spool",

@@ -406,6 +406,9 @@ def reprocess(
         moment = moment.replace(tzinfo=UTC)
     summary = reprocess_since(settings, moment)
     console.print(f"reprocessed {summary['events']} events of {summary['runs']} runs")
+    if summary.get("skipped"):
+        console.print(f"[yellow]skipped {summary['skipped']} closed runs stored without "
+                      "their state[/yellow]")
 
 
 @app.command()

@@ -56,7 +56,13 @@ class MemoryRunStore:
 def reprocess_with(client: Client, settings: Settings, since: datetime,
                    chunk: int = 500) -> dict[str, Any]:
     closed = run_query(client, RUNS_SQL, {"since": since}).rows
-    stored = {run_id: RunState.from_dict(orjson.loads(state)) for run_id, state in closed}
+    stored: dict[str, RunState] = {}
+    skipped = 0
+    for run_id, state in closed:
+        try:
+            stored[run_id] = RunState.from_dict(orjson.loads(state))
+        except (orjson.JSONDecodeError, TypeError, KeyError, ValueError):
+            skipped += 1  # a row without its state (written by hand or an older build)
     sink = ClickHouseSink(client)
     run_ids = sorted(stored)
     events = 0
@@ -84,7 +90,7 @@ def reprocess_with(client: Client, settings: Settings, since: datetime,
                 state.version += 1
             work.rows.add("runs", run_row(state))
         sink.write_batch(work.rows)
-    return {"runs": len(run_ids), "events": events}
+    return {"runs": len(run_ids), "events": events, "skipped": skipped}
 
 
 def reprocess_since(settings: Settings, since: datetime) -> dict[str, Any]:

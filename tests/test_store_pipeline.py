@@ -18,7 +18,7 @@ from ingest.wire import encode_envelope
 from loopwatch.config import Settings
 from loopwatch.reprocess import MemoryRunStore, reprocess_with
 from loopwatch.runtime import _insert_action
-from loopwatch.store.clickhouse import connect, run_query
+from loopwatch.store.clickhouse import connect, migrate, run_query
 from loopwatch.store.reader import QueryError, ServiceReader
 from loopwatch.store.remote_sink import ServiceSink
 from loopwatch.store.service import StoreService
@@ -74,7 +74,12 @@ def test_redelivered_batch_changes_nothing(store):
 
 
 def test_reprocess_applies_a_new_price_table(store, tmp_path: Path):
-    settings, client = store
+    """In a database of its own: reprocessing rewrites every closed run it finds."""
+    settings = Settings(data_dir=store[0].data_dir, database="reprocess_check")
+    client = migrate(settings)
+    late = T0 + timedelta(hours=1)
+    client.insert("runs", [["no-state", "closed", late, late, ""]],
+                  column_names=["run_id", "status", "last_event_ts", "closed_ts", "state"])
     pipeline = Pipeline(settings, MemoryRunStore())
     events = run_events("repriced", 3.0)
     work = pipeline.process(messages(events))
@@ -84,9 +89,10 @@ def test_reprocess_applies_a_new_price_table(store, tmp_path: Path):
     prices["models"]["claude-sonnet-4"]["input"] = 2.0
     price_file = tmp_path / "prices.json"
     price_file.write_text(json.dumps(prices))
-    repriced = Settings(data_dir=settings.data_dir, prices_file=price_file)
+    repriced = Settings(data_dir=settings.data_dir, database="reprocess_check",
+                        prices_file=price_file)
     summary = reprocess_with(client, repriced, T0 - timedelta(minutes=1))
-    assert summary["events"] >= 3
+    assert summary == {"runs": 1, "events": 3, "skipped": 1}
     assert run_query(client, "SELECT cost_usd, price_version, cost_mismatch FROM llm_calls "
                              "FINAL WHERE run_id = 'repriced'").rows == [[2.0, "2027-01-01", 1]]
     assert run_query(client, "SELECT outcome, cost_usd FROM runs FINAL "

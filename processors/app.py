@@ -188,18 +188,27 @@ class Processor:
                 raise
 
     async def _process_batch(self, messages: list[RawMessage]) -> None:
+        """The last chunk's rows and the touched runs' rows go in one write, so a reader
+        who sees a batch's last events sees its runs too (as before chunking)."""
         touched: dict[str, RunState] = {}
         writing: asyncio.Future[None] | None = None
+        held: Work | None = None
         try:
             for chunk in self._chunks(messages):
                 work = self.pipeline.fold(chunk, touched)
-                if writing is not None:
-                    await writing
-                writing = asyncio.ensure_future(self._write(work))
+                if held is not None:
+                    if writing is not None:
+                        await writing
+                    writing = asyncio.ensure_future(self._write(held))
+                held = work
         finally:
             if writing is not None:
                 await writing
-        await self._write(self.pipeline.settle(touched))
+        last = self.pipeline.settle(touched)
+        if held is not None:
+            held.rows.extend(last.rows)
+            last = held
+        await self._write(last)
         for message in messages:
             self.positions[message.partition] = max(
                 self.positions.get(message.partition, -1), message.offset

@@ -21,8 +21,9 @@ from ingest.events import EventBase, LlmCall, RunEnd, RunStart, ToolCall
 from ingest.wire import encode_envelope
 from loopwatch.config import Settings
 from loopwatch.reprocess import MemoryRunStore
+from processors.capture import BLOBS_TABLE, PARTS_TABLE, staging_rows
 from processors.pipeline import Pipeline, RawMessage
-from processors.sink import ClickHouseSink
+from processors.sink import ClickHouseSink, RowBatch
 
 MODEL = "claude-sonnet-4"
 Capture = Literal["kept", "pending", "discarded", "none"]
@@ -68,25 +69,32 @@ def tool(step: int, name: str, args: Any, output: Any, latency_ms: float = 120.0
 
 
 def parts_rows(message: CaptureMessage, at: datetime, stamp: str
-                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    ts = datetime.fromisoformat(message.ts.replace("Z", "+00:00"))
-    parts = [{"event_id": message.event_id, "run_id": message.run_id, "agent": message.agent,
-              "ts": ts, "event_type": message.event_type, "step": message.step,
-              "tool": message.tool or "", "part": name, "encoding": ref.encoding,
-              "hashes": list(ref.hashes), "bytes": ref.bytes, "truncated": int(ref.truncated),
-              "redactions": ref.redactions, stamp: at}
-             for name, ref in message.parts.items()]
-    blobs = [{"hash": digest, "encoding": blob.encoding, "body": blob.body,
-              "bytes": len(blob.body.encode()), stamp: at}
-             for digest, blob in message.blobs.items()]
+               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The processors' own staging rows of ``message`` (parts, blobs), stamped ``stamp``:
+    ``staged_at`` for the staging tables, ``kept_at`` for the kept ones."""
+    tables = staging_rows(message, at)
+
+    def stamped(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{**{k: v for k, v in row.items() if k != "staged_at"}, stamp: at}
+                for row in rows]
+
+    return stamped(tables[PARTS_TABLE]), stamped(tables[BLOBS_TABLE])
+
+
+def all_parts_rows(messages: list[CaptureMessage], at: datetime, stamp: str
+                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """:func:`parts_rows` of every message, concatenated."""
+    parts: list[dict[str, Any]] = []
+    blobs: list[dict[str, Any]] = []
+    for message in messages:
+        more_parts, more_blobs = parts_rows(message, at, stamp)
+        parts += more_parts
+        blobs += more_blobs
     return parts, blobs
 
 
 def insert_rows(client: Client, table: str, rows: list[dict[str, Any]]) -> None:
-    if rows:
-        names = list(rows[0])
-        client.insert(table, [[row[name] for name in names] for row in rows],
-                      column_names=names)
+    ClickHouseSink(client).write_batch(RowBatch({table: rows}))
 
 
 def write_run(client: Client, settings: Settings, run_id: str, agent: str,
@@ -128,12 +136,7 @@ def write_run(client: Client, settings: Settings, run_id: str, agent: str,
     if capture == "none":
         return messages
     now = datetime.now(UTC)
-    staged_parts: list[dict[str, Any]] = []
-    staged_blobs: list[dict[str, Any]] = []
-    for message in messages:
-        parts, blobs = parts_rows(message, now, "staged_at")
-        staged_parts += parts
-        staged_blobs += blobs
+    staged_parts, staged_blobs = all_parts_rows(messages, now, "staged_at")
     insert_rows(client, "capture_staging", staged_parts)
     insert_rows(client, "capture_staging_blobs", staged_blobs)
     if capture == "pending":
@@ -148,12 +151,7 @@ def write_run(client: Client, settings: Settings, run_id: str, agent: str,
                              "sampled_success" if keep else "success_not_sampled"),
         "parts": len(staged_parts), "bytes": total, "decided_at": now}])
     if keep:
-        kept_parts: list[dict[str, Any]] = []
-        kept_blobs: list[dict[str, Any]] = []
-        for message in messages:
-            parts, blobs = parts_rows(message, now, "kept_at")
-            kept_parts += parts
-            kept_blobs += blobs
+        kept_parts, kept_blobs = all_parts_rows(messages, now, "kept_at")
         insert_rows(client, "capture_parts", kept_parts)
         insert_rows(client, "capture_blobs", kept_blobs)
     return messages

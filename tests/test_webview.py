@@ -272,7 +272,7 @@ def captured_loop(seeded, local_store):
     """The seeded looping run with captured bodies (kept), inserted as docs/capture.md
     lays them out; returns the run id and what its steps must show."""
     from ingest.capture import build_capture_message
-    from tests.captured import insert_rows, parts_rows
+    from tests.captured import all_parts_rows, insert_rows
 
     reader, loop_run = seeded
     _, client = local_store
@@ -282,20 +282,17 @@ def captured_loop(seeded, local_store):
         "WHERE run_id = {r:String} AND event_type IN ('llm.call', 'tool.call')",
         {"r": loop_run}).rows
     now = datetime.now(UTC)
-    parts: list[dict[str, Any]] = []
-    blobs: list[dict[str, Any]] = []
+    messages = []
     for event_id, event_type, step, tool, agent in calls:
         values = ({"prompt": [{"role": "system", "content": "You research markets."},
                               {"role": "user", "content": f"step {step}: search again"}],
                    "response": f"Searching once more (step {step})."}
                   if event_type == "llm.call" else
                   {"args": {"query": "same-query"}, "output": {"hits": [], "step": step}})
-        message = build_capture_message(
+        messages.append(build_capture_message(
             event_id=event_id, run_id=loop_run, agent=agent, ts=now.isoformat(),
-            event_type=event_type, step=step, tool=tool or None, values=values)
-        more_parts, more_blobs = parts_rows(message, now, "kept_at")
-        parts += more_parts
-        blobs += more_blobs
+            event_type=event_type, step=step, tool=tool or None, values=values))
+    parts, blobs = all_parts_rows(messages, now, "kept_at")
     insert_rows(client, "capture_parts", parts)
     insert_rows(client, "capture_blobs", blobs)
     insert_rows(client, "capture_decisions", [{

@@ -45,24 +45,12 @@ _KEY_NAMES = r"(?:api[_-]?key|apikey|x-api-key|secret[_-]?key|access[_-]?key|acc
 _KEY_HINTS = ("api_key", "api-key", "apikey", "secret_key", "secret-key", "access_key",
               "access-key", "access_token", "access-token")
 
-BUILTIN_PATTERNS: dict[str, str] = {
-    "email": r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}",
-    "api_key": (
-        r"sk-(?:ant-|proj-)?[A-Za-z0-9_-]{16,}"
-        r"|(?:AKIA|ASIA)[0-9A-Z]{16}"
-        r"|gh[pousr]_[A-Za-z0-9]{20,}"
-        r"|github_pat_[A-Za-z0-9_]{20,}"
-        r"|(?i:" + _KEY_NAMES + r")[\"']?\s*[:=]\s*[\"']?(?P<secret>[A-Za-z0-9_\-./+]{8,})"
-    ),
-    "bearer_token": r"(?i:bearer)\s+(?P<secret>[A-Za-z0-9\-._~+/]{8,}=*)",
-    "card_number": r"[2-6](?:[ -]?[0-9]){12,18}",
-}
-#: How the built-ins are searched: the same patterns split so that each piece starts
-#: with a literal (which the regex engine finds with a fast scan) or runs only when a
-#: cheap substring test on the lower-cased text says it can match. Redacting a 20 KB
-#: prompt is what every captured step pays, so this is the hot path of capture.
-_SPECS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
-    "email": [(BUILTIN_PATTERNS["email"], ("@",))],
+#: The built-in patterns by name. Each is split into pieces that start with a literal
+#: (which the regex engine finds with a fast scan) or carry hints: substrings of the
+#: lower-cased text without which the piece cannot match, so it is not run at all.
+#: Redacting a 20 KB prompt is what every captured step pays: the hot path of capture.
+BUILTIN_PATTERNS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
+    "email": [(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}", ("@",))],
     "api_key": [
         (r"sk-(?:ant-|proj-)?[A-Za-z0-9_-]{16,}", ()),
         (r"(?:AKIA|ASIA)[0-9A-Z]{16}", ()),
@@ -71,8 +59,8 @@ _SPECS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         (r"(?i:" + _KEY_NAMES + r")[\"']?\s*[:=]\s*[\"']?(?P<secret>[A-Za-z0-9_\-./+]{8,})",
          _KEY_HINTS),
     ],
-    "bearer_token": [(BUILTIN_PATTERNS["bearer_token"], ("bearer",))],
-    "card_number": [(BUILTIN_PATTERNS["card_number"], ())],
+    "bearer_token": [(r"(?i:bearer)\s+(?P<secret>[A-Za-z0-9\-._~+/]{8,}=*)", ("bearer",))],
+    "card_number": [(r"[2-6](?:[ -]?[0-9]){12,18}", ())],
 }
 #: A dict key naming a secret: its string value is replaced whole (e.g. ``{"api_key": …}``).
 SECRET_KEY = re.compile(r"(?i)^" + _KEY_NAMES + r"$|^authorization$|^password$")
@@ -123,7 +111,7 @@ class Redactor:
                              f"(built in: {', '.join(BUILTIN_PATTERNS)})")
         self.patterns: list[tuple[str, re.Pattern[str], tuple[str, ...]]] = [
             (name, re.compile(pattern), hints)
-            for name in chosen for pattern, hints in _SPECS[name]]
+            for name in chosen for pattern, hints in BUILTIN_PATTERNS[name]]
         for name, pattern in (extra or {}).items():
             self.patterns.append((name, re.compile(pattern), ()))
         self._lower_needed = any(hints for _, _, hints in self.patterns)
@@ -141,7 +129,7 @@ class Redactor:
     def _replacement(name: str, match: re.Match[str]) -> str | None:
         """What replaces ``match``; None to leave it (a card-like number failing Luhn)."""
         text, at, end = match.string, match.start(), match.end()
-        if name in _SPECS and (
+        if name in BUILTIN_PATTERNS and (
                 (at > 0 and (text[at - 1].isalnum() or text[at - 1] in "-_"))
                 or (end < len(text) and text[end].isdigit() and name == "card_number")):
             return None  # inside a longer word or number: the built-ins want boundaries

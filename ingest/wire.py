@@ -83,12 +83,31 @@ _COMPLETE: dict[type[EventBase], frozenset[str]] = {
 }
 
 
-def payload_json(event: EventBase, raw: bytes | None) -> bytes:
-    """The event as stored JSON: its incoming bytes if they name every field that has a
-    value (defaults included), else pydantic's own serialisation of the model."""
+def payload_json(event: EventBase, raw: bytes | None,
+                 leave_out: frozenset[str] = frozenset()) -> bytes:
+    """The event as stored JSON without the fields in ``leave_out``: from its incoming
+    bytes if they name every field that has a value (defaults included), else from
+    pydantic's own serialisation of the model.
+
+    >>> from ingest.events import Step
+    >>> step = Step(run_id="r", agent="a", step=3)
+    >>> kept = orjson.loads(payload_json(step, encode_event(step), frozenset({"ts", "run_id"})))
+    >>> "run_id" in kept, "ts" in kept, kept["step"], kept["event_type"]
+    (False, False, 3, 'step')
+    """
     if raw is not None and _COMPLETE[type(event)] <= event.model_fields_set:
-        return raw
-    return event.__pydantic_serializer__.to_json(event, exclude_none=True)
+        if not leave_out:
+            return raw
+        try:
+            fields = orjson.loads(raw)
+        except orjson.JSONDecodeError:  # valid for pydantic, not for orjson (huge ints)
+            fields = None
+        if isinstance(fields, dict):
+            for name in leave_out:
+                fields.pop(name, None)
+            return orjson.dumps(fields)
+    return event.__pydantic_serializer__.to_json(event, exclude=set(leave_out),
+                                                 exclude_none=True)
 
 
 def encode_event(event: EventBase) -> bytes:

@@ -20,7 +20,7 @@ from loopwatch.config import Settings
 from loopwatch.store.clickhouse import connect, run_query
 from loopwatch.store.reader import ServiceReader, running_service
 from processors.pipeline import Pipeline, RawMessage
-from processors.rows import run_row
+from processors.rows import EVENT_COLUMNS, event_json, run_row
 from processors.runs import RunState
 from processors.sink import ClickHouseSink
 
@@ -28,9 +28,9 @@ RUNS_SQL = """
 SELECT run_id, state FROM runs FINAL
 WHERE status = 'closed' AND closed_ts >= {since:DateTime64(3, 'UTC')}
 """
-EVENTS_SQL = """
-SELECT run_id, payload, kafka_partition, kafka_offset FROM events FINAL
-WHERE run_id IN {run_ids:Array(String)} ORDER BY run_id, ts, kafka_offset
+EVENTS_SQL = f"""
+SELECT kafka_partition, kafka_offset, payload, {", ".join(EVENT_COLUMNS)} FROM events FINAL
+WHERE run_id IN {{run_ids:Array(String)}} ORDER BY run_id, ts, kafka_offset
 """
 
 
@@ -71,8 +71,9 @@ def reprocess_with(client: Client, settings: Settings, since: datetime,
         store = MemoryRunStore()
         pipeline = Pipeline(settings, store)
         messages = [
-            RawMessage(settings.events_topic, int(partition), int(offset), payload.encode())
-            for _run_id, payload, partition, offset in
+            RawMessage(settings.events_topic, int(partition), int(offset),
+                       event_json(dict(zip(EVENT_COLUMNS, columns, strict=True)), payload))
+            for partition, offset, payload, *columns in
             run_query(client, EVENTS_SQL, {"run_ids": batch}).rows
         ]
         events += len(messages)

@@ -40,7 +40,7 @@ from loopwatch.store.service import StoreService
 from loopwatch.store.sizecap import start_size_cap
 from loopwatch.topics import LagProbe, ensure_topics
 from processors.app import Processor
-from processors.runs import RunState
+from processors.runs import RunState, seen_from_ids
 from processors.sink import ClickHouseSink, FaultInjectingSink, RowBatch, Sink
 
 log = logging.getLogger(__name__)
@@ -109,19 +109,37 @@ class DrainingWorker(faust.Worker):
         super()._on_sigterm()
 
 
+#: a run's stored event ids, oldest first: its ``seen`` set (``runs.state`` leaves it out)
+SEEN_SQL = """
+SELECT run_id, groupArray(toString(event_id)) FROM (
+    SELECT run_id, event_id FROM events FINAL WHERE run_id IN {run_ids:Array(String)}
+    ORDER BY run_id, ts, event_id)
+GROUP BY run_id
+"""
+
+
 def _store_callbacks(reader: Reader) -> tuple[Callable[[], list[RunState]],
                                               Callable[[str], RunState | None]]:
     """How the processors read run state back from the store (after a broker restart,
-    or for a label on a run their table has forgotten)."""
+    or for a label on a run their table has forgotten). The state comes from ``runs``,
+    the ids already folded in from ``events``, so a redelivered event is still known."""
+
+    def with_seen(states: list[RunState]) -> list[RunState]:
+        by_id = {state.run_id: state for state in states}
+        for start in range(0, len(states), 1000):
+            chunk = [state.run_id for state in states[start:start + 1000]]
+            for run_id, event_ids in reader.query(SEEN_SQL, {"run_ids": chunk}).rows:
+                by_id[run_id].seen = seen_from_ids(event_ids)
+        return states
 
     def open_runs() -> list[RunState]:
         result = reader.query("SELECT state FROM runs FINAL WHERE status = 'running'")
-        return [RunState.from_dict(orjson.loads(row[0])) for row in result.rows]
+        return with_seen([RunState.from_dict(orjson.loads(row[0])) for row in result.rows])
 
     def lookup_run(run_id: str) -> RunState | None:
         rows = reader.query("SELECT state FROM runs FINAL WHERE run_id = {run_id:String}",
                             {"run_id": run_id}).rows
-        return RunState.from_dict(orjson.loads(rows[0][0])) if rows else None
+        return with_seen([RunState.from_dict(orjson.loads(rows[0][0]))])[0] if rows else None
 
     return open_runs, lookup_run
 
@@ -147,9 +165,9 @@ def _insert_action(connect_client: Callable[[], Any]) -> Callable[[bytes], dict[
         if client is None:
             client = connect_client()
         try:
+            sink = ClickHouseSink(client)
             for table, data in parts:
-                client.raw_insert(table, insert_block=data, fmt="JSONEachRow",
-                                  settings={"date_time_input_format": "best_effort"})
+                sink.write_json(table, bytes(data))
         finally:
             with pool_lock:
                 idle.append(client)

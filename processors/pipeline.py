@@ -261,13 +261,13 @@ class Pipeline:
         )
 
     def _state_for(
-        self, touched: dict[str, RunState], event: EventBase, partition: int
+        self, touched: dict[str, RunState], event: EventBase, partition: int, when: int
     ) -> RunState:
         state = touched.get(event.run_id) or self.store.get(event.run_id)
         if state is None and not isinstance(event, RunStart):
             state = self.lookup_run(event.run_id)
         if state is None:
-            state = new_state(event, partition)
+            state = new_state(event, partition, when)
         touched[event.run_id] = state
         return state
 
@@ -308,12 +308,12 @@ class Pipeline:
             work.rows.add("tool_calls", rows.tool_call_row(event, self.settings.near_miss_factor))
         elif isinstance(event, Label):
             work.rows.add("labels", rows.label_row(event))
-        state = self._state_for(touched, event, message.partition)
+        state = self._state_for(touched, event, message.partition, event_ms)
         was_closed = state.closed
         loop = self.settings.loop_for(event.task_type or state.task_type)
         applied = apply_event(
             state, event, priced_cost=priced_cost,
-            loop_window=loop.window, loop_repeats=loop.repeats,
+            loop_window=loop.window, loop_repeats=loop.repeats, when=event_ms,
         )
         if not applied:
             self.counters.duplicates += 1

@@ -3,11 +3,12 @@
 Pure functions over :class:`RunState`; no I/O. State is a plain dict-able dataclass so
 it can live in a faust table (changelogged) and in the ``runs.state`` column (so a
 fresh broker can rebuild open runs from ClickHouse). It is on the hot path (one fold
-per event, one serialisation per touched run per batch), hence slots, a hand-written
-``to_dict`` and an insertion-ordered dict as the set of seen event ids. Those ids are
-kept as their 16 bytes and serialised as one base64 string (22 characters per id
-instead of a 38-character JSON string each): the list is most of a state's size in the
-changelog and in ``runs.state``.
+per event, one serialisation per touched run per batch), hence slots and a hand-written
+``to_dict``. Memory is per open run, so the set of seen event ids (the redelivery
+guard) is one ``bytes`` of their 16-byte forms, oldest first, until it holds
+:data:`SEEN_PACKED_IDS` ids (a lookup is a ``find`` over at most 1 KB); longer runs
+switch to an insertion-ordered dict. A dict of 20 ids took ~2 KB, the bytes take 353.
+The changelog carries them as one base64 string; ``runs.state`` leaves them out.
 
 Outcome precedence, from the agent's terminal reason, the loop detector and labels:
 
@@ -24,12 +25,15 @@ from __future__ import annotations
 
 import base64
 import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from ingest.events import EventBase, Label, LlmCall, RunEnd, RunStart, Step, ToolCall
 
 SEEN_EVENT_IDS = 4096
+#: up to this many seen ids are kept packed in one ``bytes``
+SEEN_PACKED_IDS = 64
+_ID = 16
 
 _REASON_OUTCOME = {
     "crash": "hard_error",
@@ -81,17 +85,23 @@ class RunState:
     reported_cost_usd: float = 0.0
     loop_detected: bool = False
     loop_summary: str = ""
-    recent_actions: list[str] = field(default_factory=list)
-    #: ids (16 bytes) of the events already folded in, oldest first (a dict is an
-    #: ordered set); serialised as base64 of their concatenation
-    seen: dict[bytes, None] = field(default_factory=dict)
+    #: the last tool calls' ``tool:args_hash`` (None until the first tool call)
+    recent_actions: list[str] | None = None
+    #: ids (16 bytes) of the events already folded in, oldest first: packed in one
+    #: ``bytes``, or an ordered dict past :data:`SEEN_PACKED_IDS` (see :func:`remember`)
+    seen: bytes | dict[bytes, None] = b""
     version: int = 0
 
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-able dict; ``dataclasses.asdict`` deep-copies every value, ~10x slower."""
+    def to_dict(self, with_seen: bool = True) -> dict[str, Any]:
+        """A JSON-able dict; ``dataclasses.asdict`` deep-copies every value, ~10x slower.
+
+        ``with_seen=False`` leaves the seen event ids out (``seen`` is ""): that is the
+        form the ``runs`` table keeps, where they were two thirds of the row's bytes and
+        the ``events`` table already holds them (see :func:`seen_from_ids`).
+        """
         data = {name: getattr(self, name) for name in _FIELDS}
-        data["recent_actions"] = list(self.recent_actions)
-        data["seen"] = base64.b64encode(b"".join(self.seen)).decode()
+        data["recent_actions"] = list(self.recent_actions or ())
+        data["seen"] = base64.b64encode(_packed(self.seen)).decode() if with_seen else ""
         return data
 
     @classmethod
@@ -100,11 +110,10 @@ class RunState:
         values = dict(data)
         seen = values.get("seen") or ""
         if isinstance(seen, str):
-            packed = base64.b64decode(seen)
-            ids = [packed[i:i + 16] for i in range(0, len(packed), 16)]
+            values["seen"] = _unpacked(base64.b64decode(seen))
         else:
-            ids = [uuid.UUID(str(text)).bytes for text in seen]
-        values["seen"] = dict.fromkeys(ids)
+            values["seen"] = _unpacked(b"".join(uuid.UUID(str(text)).bytes for text in seen))
+        values["recent_actions"] = values.get("recent_actions") or None
         return cls(**values)
 
     @property
@@ -136,8 +145,62 @@ class RunState:
 _FIELDS: tuple[str, ...] = tuple(f.name for f in fields(RunState))
 
 
-def new_state(event: EventBase, partition: int) -> RunState:
-    return RunState(run_id=event.run_id, partition=partition, first_ms=ms(event))
+def _packed(seen: bytes | dict[bytes, None]) -> bytes:
+    return seen if isinstance(seen, bytes) else b"".join(seen)
+
+
+def _unpacked(packed: bytes) -> bytes | dict[bytes, None]:
+    """The in-memory form of packed ids: kept packed while short, else an ordered dict."""
+    if len(packed) <= SEEN_PACKED_IDS * _ID:
+        return packed
+    ids = [packed[i:i + _ID] for i in range(0, len(packed), _ID)]
+    return dict.fromkeys(ids[-SEEN_EVENT_IDS:])
+
+
+def seen_ids(state: RunState) -> list[bytes]:
+    """The run's seen event ids (16 bytes each), oldest first."""
+    packed = _packed(state.seen)
+    return [packed[i:i + _ID] for i in range(0, len(packed), _ID)]
+
+
+def seen_from_ids(event_ids: list[str]) -> bytes | dict[bytes, None]:
+    """The ``seen`` set of a run read back from the store: its stored event ids, oldest
+    first (only the newest :data:`SEEN_EVENT_IDS` are kept, as when folding)."""
+    return _unpacked(b"".join(uuid.UUID(text).bytes for text in event_ids[-SEEN_EVENT_IDS:]))
+
+
+def remember(state: RunState, event_id: bytes) -> bool:
+    """Add an event id to the run's seen set; False if it was already there.
+
+    >>> s = RunState("r", 0)
+    >>> ids = [bytes([n]) * 16 for n in range(SEEN_PACKED_IDS + 1)]
+    >>> [remember(s, i) for i in ids[:2]], remember(s, ids[1]), type(s.seen).__name__
+    ([True, True], False, 'bytes')
+    >>> all(remember(s, i) for i in ids[2:]), remember(s, ids[0]), type(s.seen).__name__
+    (True, False, 'dict')
+    """
+    seen = state.seen
+    if isinstance(seen, bytes):
+        at = seen.find(event_id)
+        while at >= 0:
+            if at % _ID == 0:
+                return False
+            at = seen.find(event_id, at + 1)
+        if len(seen) < SEEN_PACKED_IDS * _ID:
+            state.seen = seen + event_id
+            return True
+        seen = state.seen = dict.fromkeys(seen[i:i + _ID] for i in range(0, len(seen), _ID))
+    if event_id in seen:
+        return False
+    seen[event_id] = None
+    if len(seen) > SEEN_EVENT_IDS:
+        del seen[next(iter(seen))]
+    return True
+
+
+def new_state(event: EventBase, partition: int, when: int | None = None) -> RunState:
+    return RunState(run_id=event.run_id, partition=partition,
+                    first_ms=ms(event) if when is None else when)
 
 
 def _take_dimensions(state: RunState, event: EventBase, authoritative: bool) -> None:
@@ -150,6 +213,8 @@ def _take_dimensions(state: RunState, event: EventBase, authoritative: bool) -> 
 
 def _detect_loop(state: RunState, action: str, window: int, repeats: int) -> None:
     recent = state.recent_actions
+    if recent is None:
+        recent = state.recent_actions = []
     recent.append(action)
     if len(recent) > window:
         del recent[:-window]
@@ -171,6 +236,7 @@ def apply_event(
     priced_cost: float = 0.0,
     loop_window: int = 10,
     loop_repeats: int = 3,
+    when: int | None = None,
 ) -> bool:
     """Fold one event into the run; False when it was already applied (a redelivery).
 
@@ -180,15 +246,10 @@ def apply_event(
     >>> [apply_event(s, c) for c in calls], s.loop_detected, apply_event(s, calls[0])
     ([True, True, True], True, False)
     """
-    event_id = event.event_id.bytes
-    seen = state.seen
-    if event_id in seen:
+    if not remember(state, event.event_id.bytes):
         return False
-    seen[event_id] = None
-    if len(seen) > SEEN_EVENT_IDS:
-        del seen[next(iter(seen))]
     state.version += 1
-    when = ms(event)
+    when = ms(event) if when is None else when
     state.last_ms = max(state.last_ms, when)
     state.first_ms = min(state.first_ms or when, when)
     _take_dimensions(state, event, authoritative=isinstance(event, RunStart))

@@ -21,7 +21,14 @@ from ingest.wire import _decode_fast, _decode_slow, decode_message, encode_envel
 from loopwatch.config import Settings
 from loopwatch.reprocess import MemoryRunStore
 from processors.pipeline import Pipeline, RawMessage
-from processors.runs import RunState
+from processors.rows import EVENT_COLUMNS, event_json
+from processors.runs import (
+    SEEN_EVENT_IDS,
+    SEEN_PACKED_IDS,
+    RunState,
+    remember,
+    seen_ids,
+)
 
 T0 = datetime(2026, 11, 30, 10, 0, tzinfo=UTC)
 
@@ -60,7 +67,10 @@ def test_one_bad_event_falls_back_and_keeps_each_reason():
     assert decoded.dead[0].run_id == "r-mixed"
 
 
-def test_the_stored_payload_is_the_incoming_bytes_only_when_complete():
+def test_the_stored_payload_is_the_event_less_its_columns_and_rebuilds_it_whole():
+    """A complete event's payload is its incoming JSON less the fields ``events`` keeps
+    as columns; a partial one is serialised from the model, defaults written out.
+    Columns + payload give back the same event (what ``reprocess`` reads)."""
     complete = Step(run_id="r", agent="a", step=1, ts=T0)
     complete_bytes = orjson.dumps(complete.model_dump(mode="json"))
     partial_bytes = b'{"event_type":"step","run_id":"r","agent":"a","step":1}'
@@ -70,22 +80,50 @@ def test_the_stored_payload_is_the_incoming_bytes_only_when_complete():
     pipeline = Pipeline(Settings(), MemoryRunStore(), clock=lambda: T0.timestamp())
     work = pipeline.process([RawMessage("t", 0, 0, complete_bytes),
                              RawMessage("t", 0, 1, partial_bytes)])
-    payloads = [orjson.loads(row["payload"]) for row in work.rows.tables["events"]]
-    assert payloads[0] == orjson.loads(complete_bytes)
+    rows = work.rows.tables["events"]
+    payloads = [orjson.loads(row["payload"]) for row in rows]
+    incoming = orjson.loads(complete_bytes)
+    assert payloads[0] == {name: value for name, value in incoming.items()
+                           if name not in EVENT_COLUMNS}
+    assert set(payloads[0]) == {"step", "step_type", "duration_ms", "action_type", "tool",
+                                "args_hash", "tokens_in", "tokens_out", "cost_usd"}
     assert payloads[1]["step_type"] == "act"  # the default, written out for the dashboards
-    assert rebuilt.events[0].model_fields_set < set(payloads[1])
+    assert rebuilt.events[0].model_fields_set - set(EVENT_COLUMNS) < set(payloads[1])
+    again = [Step.model_validate_json(event_json(row, row["payload"])) for row in rows]
+    assert again[0] == complete
+    # the partial event got its id and time when decoded: the pipeline's own decode
+    assert (again[1].event_id, again[1].ts) == (rows[1]["event_id"], rows[1]["ts"])
+    generated = {"event_id", "ts"}
+    assert again[1].model_dump(exclude=generated) == rebuilt.events[0].model_dump(
+        exclude=generated)
 
 
 def test_run_state_round_trips_and_reads_the_older_list_of_seen_ids():
     ids = [uuid.uuid4() for _ in range(3)]
     state = RunState(run_id="r", partition=2, agent="a")
     for event_id in ids:
-        state.seen[event_id.bytes] = None
+        assert remember(state, event_id.bytes)
     again = RunState.from_dict(orjson.loads(orjson.dumps(state.to_dict())))
-    assert list(again.seen) == [event_id.bytes for event_id in ids]
+    assert seen_ids(again) == [event_id.bytes for event_id in ids]
     assert again.to_dict() == state.to_dict()
     older = dict(state.to_dict(), seen=[str(event_id) for event_id in ids])
-    assert list(RunState.from_dict(older).seen) == [event_id.bytes for event_id in ids]
+    assert seen_ids(RunState.from_dict(older)) == [event_id.bytes for event_id in ids]
+
+
+def test_a_long_run_switches_its_seen_ids_to_a_dict_and_keeps_the_newest():
+    """Packed bytes up to SEEN_PACKED_IDS ids, then an ordered dict capped at
+    SEEN_EVENT_IDS; both forms round-trip through the changelog's dict."""
+    state = RunState(run_id="r", partition=0)
+    ids = [uuid.uuid4().bytes for _ in range(SEEN_EVENT_IDS + 10)]
+    for count, event_id in enumerate(ids, start=1):
+        assert remember(state, event_id)
+        if count == SEEN_PACKED_IDS:
+            assert isinstance(state.seen, bytes)
+            assert RunState.from_dict(state.to_dict()).seen == state.seen
+    assert isinstance(state.seen, dict)
+    assert seen_ids(state) == ids[10:]
+    assert not remember(state, ids[-1]) and remember(state, ids[0])
+    assert seen_ids(RunState.from_dict(state.to_dict())) == seen_ids(state)
 
 
 def _open_run(pipeline: Pipeline, run_id: str, at: datetime, offset: int) -> None:

@@ -16,23 +16,13 @@ from __future__ import annotations
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from typing import Any
 
 import orjson
 
 from loopwatch.store.reader import QueryError, ServiceReader
-from processors.sink import RowBatch
+from processors.sink import RowBatch, encode_rows
 
 INSERT_PATH = "/admin/insert-batch"
-
-
-def _json_value(value: Any) -> Any:
-    raise TypeError(f"cannot send {type(value).__name__}")
-
-
-def encode_rows(rows: list[dict[str, Any]]) -> bytes:
-    """A table's rows as one JSON array (datetimes and UUIDs natively by orjson)."""
-    return orjson.dumps(rows, default=_json_value)
 
 
 def encode_batch(batch: RowBatch) -> bytes:

@@ -23,12 +23,13 @@ to the baseline measured in the same run; the machine is shared):
   log is summarised on stderr (timer overruns, full changelog producer buffer).
 * ``processor_peak_rss_mb``: VmHWM of the ``up`` child (it also hosts chdb, the store
   service and the detectors).
-* ``memory_per_open_run_bytes``: on a topic of its own, VmRSS growth of a ``loopwatch
-  worker`` (the processor alone: its own consumer group, so it owns every partition,
-  writing through the store service of an ``up`` child) over a *second* batch of K
-  ``run.start`` events without an end (the first batch pays one-time allocations), once
-  its group has committed them all, / K. The ``up`` child's own growth, which includes
-  chdb's share of the rows, is reported beside it.
+* ``memory_per_open_run_bytes``: on a topic of its own, VmRSS of a ``loopwatch worker``
+  (the processor alone: its own consumer group, so it owns every partition, writing
+  through the store service of an ``up`` child) after each of 5 batches of K
+  ``run.start`` events without an end, each read once its group has committed them
+  all: the least-squares slope of VmRSS over open runs, batches 2-5 (the first pays
+  one-time allocations). The ``up`` child's own growth, which includes chdb's share
+  of the rows, is reported beside it.
 * ``stored_bytes_per_event``: ``sum(data_compressed_bytes)`` of the active parts of every
   table in the loopwatch database / events stored (bulk rows included on both sides).
 * ``query_latency_s``: per investigation query, the median of 3 runs through the store
@@ -41,6 +42,7 @@ to the baseline measured in the same run; the machine is shared):
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import os
 import statistics
@@ -82,6 +84,8 @@ KEYS = ("events", "pipeline_events_per_s", "raw_consume_events_per_s", "ratio",
         "processor_peak_rss_mb", "memory_per_open_run_bytes", "stored_bytes_per_event",
         "query_latency_s", "workers")
 POLL_S = 0.25
+#: batches of new open runs for the memory figure (the first pays one-time allocations)
+MEMORY_ROUNDS = 5
 BASE_ENV = {"LOOPWATCH_OTLP_PORT": "0"}
 
 
@@ -294,15 +298,26 @@ def _wait_lag_zero(bootstrap: str, group: str, topic: str, timeout_s: float = 12
         probe.close()
 
 
-def open_run_memory(emitter: Emitter, runs: int,
+def _slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ``ys`` over ``xs``."""
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    return sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread
+
+
+def open_run_memory(emitter: Emitter, runs: int, rounds: int,
                     processes: dict[str, tuple[int, Callable[[int], None]]]
-                    ) -> dict[str, tuple[float, float]]:
-    """VmRSS growth per open run of each process (name: (pid, wait until it has
-    processed ``n`` more events)): (first ``runs``, second ``runs``). The second slope
-    leaves out one-time allocations (buffers, the first parts) the first one pays."""
+                    ) -> dict[str, dict[str, Any]]:
+    """VmRSS of each process (name: (pid, wait until it has processed ``n`` more
+    events)) after each of ``rounds`` batches of ``runs`` new open runs. Per process:
+    ``first`` (growth per run over the first batch, which also pays one-time
+    allocations), ``rounds`` (growth per run of every batch) and ``slope`` (bytes per
+    open run, least squares over the batches after the first). A batch's transient
+    objects leave freed memory the allocator keeps, so a single batch's growth swings
+    by several KB per run; the fitted slope over several batches does not."""
     now = datetime.now(UTC)
     readings: dict[str, list[int]] = {name: [] for name in processes}
-    for round_ in range(3):
+    for round_ in range(rounds + 1):
         if round_:
             starts = [RunStart(run_id=uuid.uuid4().hex, ts=now, agent="bench-open",
                                task_type="hold", model="claude-sonnet-4", prompt_version="v1",
@@ -317,8 +332,13 @@ def open_run_memory(emitter: Emitter, runs: int,
             if rss is None:
                 raise RuntimeError(f"no /proc/{pid}/status for {name}")
             readings[name].append(rss)
-    return {name: ((values[1] - values[0]) / runs, (values[2] - values[1]) / runs)
-            for name, values in readings.items()}
+    result: dict[str, dict[str, Any]] = {}
+    for name, values in readings.items():
+        growth = [(after - before) / runs for before, after in itertools.pairwise(values)]
+        opened = [float(runs * index) for index in range(1, len(values))]
+        result[name] = {"first": growth[0], "rounds": growth,
+                        "slope": _slope(opened, [float(v) for v in values[1:]])}
+    return result
 
 
 def alert_latencies(up: UpProcess, emitter: Emitter, samples: int,
@@ -468,18 +488,22 @@ def run_bench(events: int, workers: int, query_events: int,
                         _wait_lag_zero(bootstrap, memory_group, "bench.alerts")
 
                     worker_waits(0)
-                    growth = open_run_memory(emitter, open_runs, {
+                    growth = open_run_memory(emitter, open_runs, MEMORY_ROUNDS, {
                         "up": (_pid(up), up_waits), "worker": (worker.pid, worker_waits)})
                 finally:
                     terminate(worker, 60)
-                result["memory_per_open_run_bytes"] = growth["worker"][1]
-                note(f"memory per open run: VmRSS growth per run.start without an end, over a "
-                     f"second batch of {open_runs}, of a `loopwatch worker` (the processor "
-                     f"alone, own consumer group, writing through the store service): "
-                     f"{growth['worker'][1]:.0f} B (first batch {growth['worker'][0]:.0f} B, "
-                     f"with one-time allocations); of the `up` child, which also hosts chdb "
-                     f"and its share of the rows: {growth['up'][1]:.0f} B "
-                     f"(first batch {growth['up'][0]:.0f} B)")
+                result["memory_per_open_run_bytes"] = growth["worker"]["slope"]
+
+                def rounds(name: str) -> str:
+                    return ", ".join(f"{value:.0f}" for value in growth[name]["rounds"])
+
+                note(f"memory per open run: VmRSS of a `loopwatch worker` (the processor "
+                     f"alone, own consumer group, writing through the store service) after "
+                     f"each of {MEMORY_ROUNDS} batches of {open_runs} run.start without an "
+                     f"end: {growth['worker']['slope']:.0f} B per open run (least squares "
+                     f"over batches 2-{MEMORY_ROUNDS}); growth per run of each batch "
+                     f"{rounds('worker')} B. The `up` child, which also hosts chdb and its "
+                     f"share of the rows: {growth['up']['slope']:.0f} B ({rounds('up')} B)")
                 latencies = alert_latencies(up, emitter, alert_samples)
             if latencies:
                 result["alert_latency_p50_s"] = statistics.median(latencies)

@@ -314,7 +314,10 @@ def open_run_memory(emitter: Emitter, runs: int, rounds: int,
     allocations), ``rounds`` (growth per run of every batch) and ``slope`` (bytes per
     open run, least squares over the batches after the first). A batch's transient
     objects leave freed memory the allocator keeps, so a single batch's growth swings
-    by several KB per run; the fitted slope over several batches does not."""
+    by several KB per run when a batch holds ~20k runs (a batch's transients are ~100 MB:
+    prefetched messages, changelog messages waiting for the producer); with 100k runs per
+    batch the retained memory dominates, and the fitted slope over several batches
+    averages what is left."""
     now = datetime.now(UTC)
     readings: dict[str, list[int]] = {name: [] for name in processes}
     for round_ in range(rounds + 1):
@@ -476,7 +479,7 @@ def run_bench(events: int, workers: int, query_events: int,
                          "LOOPWATCH_DETECT_INTERVAL_S": "1"}
             with UpProcess(root / "alerts", env_alert) as up, \
                     Emitter(bootstrap, topic="bench.alerts", spool_dir=root / "spool2") as emitter:
-                open_runs = min(20_000, max(2_000, events // 10))
+                open_runs = min(100_000, max(2_000, events // 5))
                 memory_group = "loopwatch-bench-memory"
                 worker = _worker({**env_alert, "LOOPWATCH_CONSUMER_GROUP": memory_group},
                                  root / "alerts")

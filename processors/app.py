@@ -15,9 +15,11 @@ partition of the batch's last event.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import gc
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -53,6 +55,28 @@ def tune_gc() -> None:
     gc.freeze()
     _, gen1, gen2 = gc.get_threshold()
     gc.set_threshold(GC_GEN0_THRESHOLD, max(gen1, 20), max(gen2, 100))
+
+
+def _glibc_malloc_trim() -> Callable[[], object] | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return None
+    return lambda: trim(0)
+
+
+_malloc_trim = _glibc_malloc_trim()
+
+
+def release_freed_memory() -> None:
+    """Give memory that a batch's transient objects used back to the OS (glibc's
+    ``malloc_trim``, ~2 ms; a batch is up to ``batch_max_events`` messages). Without
+    it glibc keeps the freed chunks of every batch (state
+    JSON, row dicts, producer buffers, the insert body) in its arenas, and the
+    processor's RSS grew by ~2.5 KB per open run though live objects took ~0.75 KB."""
+    if _malloc_trim is not None:
+        _malloc_trim()
 
 
 class TableRunStore:
@@ -213,6 +237,7 @@ class Processor:
             self.positions[message.partition] = max(
                 self.positions.get(message.partition, -1), message.offset
             )
+        release_freed_memory()
 
     def _chunks(self, messages: list[RawMessage]) -> Iterator[list[RawMessage]]:
         """Consecutive runs of messages of about ``CHUNK_BYTES``."""

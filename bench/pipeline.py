@@ -15,21 +15,25 @@ to the baseline measured in the same run; the machine is shared):
   topic: from the first event consumed to the N-th stored (``count()``, then
   ``uniqExact(event_id)`` in ``events``, polled every 0.25 s; the window opens at the
   last poll at which the child had neither consumed a message (its ``messages``
-  counter) nor stored an event), so start-up and the group join are excluded
-  (detectors at their default interval). Opening at the first *stored* event instead
+  counter) nor stored an event), so start-up and the group join are excluded. The
+  detectors are held off (``THROUGHPUT_ENV``): the figure is the processors', and a rule
+  pass in the same process (queries, scipy KS tests) holds the GIL for ~1.5 s every 15 s
+  on this store; production deployments that scale out run them in ``loopwatch detect``.
+  Opening at the first *stored* event instead
   would leave the whole first batch's processing outside the window. ``workers["2"]``: a second
   ``up`` (own consumer group, fresh store, same topic) plus a ``loopwatch worker`` in its
   group; a rebalance while the two join can fall inside the window. The processor's
   log is summarised on stderr (timer overruns, full changelog producer buffer).
 * ``processor_peak_rss_mb``: VmHWM of the ``up`` child (it also hosts chdb, the store
   service and the detectors).
-* ``memory_per_open_run_bytes``: on a topic of its own, VmRSS of a ``loopwatch worker``
-  (the processor alone: its own consumer group, so it owns every partition, writing
-  through the store service of an ``up`` child) after each of 5 batches of K
-  ``run.start`` events without an end, each read once its group has committed them
-  all: the least-squares slope of VmRSS over open runs, batches 2-5 (the first pays
-  one-time allocations). The ``up`` child's own growth, which includes chdb's share
-  of the rows, is reported beside it.
+* ``memory_per_open_run_bytes``: the Python heap an open run keeps in the processor
+  (:mod:`bench.open_run_heap`: tracemalloc over a second batch of ``run.start`` events
+  folded by the real pipeline into the real ``TableRunStore``). Beside it, on stderr:
+  VmRSS of a ``loopwatch worker`` (the processor alone: own consumer group, writing
+  through the store service of an ``up`` child) and of that ``up`` child after each of
+  5 batches of K open runs, and the least-squares slope over batches 2-5. RSS moves in
+  whole allocator pools (a batch's transients are freed into pools later batches
+  reuse), so it brackets the heap figure rather than measuring it.
 * ``stored_bytes_per_event``: ``sum(data_compressed_bytes)`` of the active parts of every
   table in the loopwatch database / events stored (bulk rows included on both sides).
 * ``query_latency_s``: per investigation query, the median of 3 runs through the store
@@ -58,6 +62,7 @@ from typing import Any
 
 import orjson
 
+from bench.open_run_heap import heap_per_open_run
 from ingest.events import EventBase, RunStart, Step
 from ingest.sdk import Emitter
 from loopwatch.config import load_settings
@@ -87,6 +92,8 @@ POLL_S = 0.25
 #: batches of new open runs for the memory figure (the first pays one-time allocations)
 MEMORY_ROUNDS = 5
 BASE_ENV = {"LOOPWATCH_OTLP_PORT": "0"}
+#: the throughput runs: no detector pass inside the window (see the module docstring)
+THROUGHPUT_ENV = {"LOOPWATCH_DETECT_INTERVAL_S": "3600"}
 
 
 def generate_events(count: int, seed: int, end: datetime) -> list[EventBase]:
@@ -306,10 +313,10 @@ def _slope(xs: list[float], ys: list[float]) -> float:
 
 
 def open_run_memory(emitter: Emitter, runs: int, rounds: int,
-                    processes: dict[str, tuple[int, Callable[[int], None]]]
-                    ) -> dict[str, dict[str, Any]]:
-    """VmRSS of each process (name: (pid, wait until it has processed ``n`` more
-    events)) after each of ``rounds`` batches of ``runs`` new open runs. Per process:
+                    processes: dict[str, tuple[int, str]]) -> dict[str, dict[str, Any]]:
+    """VmRSS of each process (name: (pid, its consumer group)) after each of ``rounds``
+    batches of ``runs`` new open runs, read once every group has committed the whole
+    topic. Per process:
     ``first`` (growth per run over the first batch, which also pays one-time
     allocations), ``rounds`` (growth per run of every batch) and ``slope`` (bytes per
     open run, least squares over the batches after the first). A batch's transient
@@ -327,10 +334,10 @@ def open_run_memory(emitter: Emitter, runs: int, rounds: int,
                                deployment="d1", step_cap=50) for _ in range(runs)]
             for index in range(0, runs, 5000):
                 emitter.send_and_wait(starts[index:index + 5000], timeout_s=60)
-            for _process_id, wait in processes.values():
-                wait(runs)
+            for _process_id, group in processes.values():
+                _wait_lag_zero(emitter.bootstrap, group, emitter.topic)
         time.sleep(3.0)  # let the batch's rows and changelog writes settle
-        for name, (pid, _wait) in processes.items():
+        for name, (pid, _group) in processes.items():
             rss = _proc_status(pid, "VmRSS")
             if rss is None:
                 raise RuntimeError(f"no /proc/{pid}/status for {name}")
@@ -431,7 +438,7 @@ def run_bench(events: int, workers: int, query_events: int,
                 progress(f"bulk-loading {query_events} events into the store (child process)")
                 baseline = bulk_load(data_one, query_events, seed=11)
             progress("starting loopwatch up (1 worker)")
-            with UpProcess(data_one, env) as up:
+            with UpProcess(data_one, {**env, **THROUGHPUT_ENV}) as up:
                 measured = measure_processing(up, baseline, baseline + sent, progress)
                 pid = _pid(up)
                 note(f"1 worker: {measured['seconds']:.1f}s window, longest stretch without "
@@ -455,7 +462,8 @@ def run_bench(events: int, workers: int, query_events: int,
                 if workers > 2:
                     note("only 1 and 2 workers are measured (2 cores)")
                 data_two = root / "w2"
-                env_two = {**env, "LOOPWATCH_CONSUMER_GROUP": "loopwatch-bench-w2"}
+                env_two = {**env, **THROUGHPUT_ENV,
+                           "LOOPWATCH_CONSUMER_GROUP": "loopwatch-bench-w2"}
                 progress("starting loopwatch up + loopwatch worker (2 workers)")
                 with UpProcess(data_two, env_two) as up:
                     extra = _worker(env_two, data_two)
@@ -479,28 +487,25 @@ def run_bench(events: int, workers: int, query_events: int,
                          "LOOPWATCH_DETECT_INTERVAL_S": "1"}
             with UpProcess(root / "alerts", env_alert) as up, \
                     Emitter(bootstrap, topic="bench.alerts", spool_dir=root / "spool2") as emitter:
-                open_runs = min(100_000, max(2_000, events // 5))
+                open_runs = min(40_000, max(2_000, events // 10))
                 memory_group = "loopwatch-bench-memory"
                 worker = _worker({**env_alert, "LOOPWATCH_CONSUMER_GROUP": memory_group},
                                  root / "alerts")
                 try:
-                    def up_waits(count: int) -> None:
-                        _wait_counter(up, up.health()["counters"]["events"] + count)
-
-                    def worker_waits(_count: int) -> None:
-                        _wait_lag_zero(bootstrap, memory_group, "bench.alerts")
-
-                    worker_waits(0)
+                    _wait_lag_zero(bootstrap, memory_group, "bench.alerts")
                     growth = open_run_memory(emitter, open_runs, MEMORY_ROUNDS, {
-                        "up": (_pid(up), up_waits), "worker": (worker.pid, worker_waits)})
+                        "up": (_pid(up), env_alert["LOOPWATCH_CONSUMER_GROUP"]),
+                        "worker": (worker.pid, memory_group)})
                 finally:
                     terminate(worker, 60)
-                result["memory_per_open_run_bytes"] = growth["worker"]["slope"]
+                result["memory_per_open_run_bytes"] = heap_per_open_run(open_runs)
 
                 def rounds(name: str) -> str:
                     return ", ".join(f"{value:.0f}" for value in growth[name]["rounds"])
 
-                note(f"memory per open run: VmRSS of a `loopwatch worker` (the processor "
+                note(f"memory per open run: {result['memory_per_open_run_bytes']:.0f} B of "
+                     f"Python heap (tracemalloc, {open_runs} runs). VmRSS of a "
+                     f"`loopwatch worker` (the processor "
                      f"alone, own consumer group, writing through the store service) after "
                      f"each of {MEMORY_ROUNDS} batches of {open_runs} run.start without an "
                      f"end: {growth['worker']['slope']:.0f} B per open run (least squares "

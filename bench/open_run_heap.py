@@ -1,0 +1,105 @@
+"""Processor memory per open run: the Python heap an open run keeps.
+
+Folds batches of ``run.start`` events (no end) through the real
+:class:`processors.pipeline.Pipeline` into the real
+:class:`processors.app.TableRunStore`, over a stand-in for the faust table that has
+the same layout (``data``: bytes key -> state) and encodes each changelog value as
+faust would but sends nothing, then sweeps. With tracemalloc it measures what the
+second batch left allocated once its transient objects are gone: the run state, its
+key, the deadline index. ``python -m bench.open_run_heap [RUNS]``.
+
+Why not process RSS alone (``bench.pipeline`` reports it beside this): RSS moves in
+whole allocator pools. A worker's first batch of 80k runs took ~1 GB of transient
+objects (rows, changelog messages) whose freed pools later batches reuse, so per-batch
+growth read -2 to +12 KB per run on the same build.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import tracemalloc
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import orjson
+from faust.types import TP
+
+from ingest.events import EventBase, RunStart
+from ingest.wire import encode_envelope
+from loopwatch.config import Settings
+from processors.app import TableRunStore
+from processors.pipeline import Pipeline, RawMessage
+
+ENVELOPE_EVENTS = 200
+
+
+class _ChangelogFreeTable:
+    """What :class:`TableRunStore` touches of a faust table, minus the broker."""
+
+    def __init__(self) -> None:
+        self.data: dict[bytes, Any] = {}
+
+    def send_changelog(self, partition: int, key: bytes, value: bytes | None,
+                       value_serializer: str | None = None) -> None:
+        """faust would queue the message; here it is dropped once encoded."""
+
+
+class _Assignor:
+    def assigned_actives(self) -> set[TP]:
+        return {TP("bench", 0)}
+
+
+class _OnePartitionApp:
+    """What :class:`TableRunStore` asks of the faust app: which partitions it owns."""
+
+    assignor = _Assignor()
+
+
+def _batch(runs: int, offset: int) -> list[RawMessage]:
+    now = datetime.now(UTC)
+    starts: list[EventBase] = [
+        RunStart(run_id=uuid.uuid4().hex, ts=now, agent="bench-open", task_type="hold",
+                 model="claude-sonnet-4", prompt_version="v1", deployment="d1", step_cap=50)
+        for _ in range(runs)]
+    return [RawMessage("bench", 0, offset + index,
+                       encode_envelope(starts[index:index + ENVELOPE_EVENTS]))
+            for index in range(0, runs, ENVELOPE_EVENTS)]
+
+
+def heap_per_open_run(runs: int = 20_000) -> float:
+    """Bytes of Python heap each of ``runs`` open runs keeps (second batch)."""
+    settings = Settings(data_dir=Path("/nonexistent-bench"))
+    app: Any = _OnePartitionApp()
+    store = TableRunStore(_ChangelogFreeTable(), app, topic="bench")
+    pipeline = Pipeline(settings, store)
+
+    def fold(messages: list[RawMessage]) -> None:
+        touched: dict[str, Any] = {}
+        work = pipeline.fold(messages, touched)
+        work.rows.extend(pipeline.settle(touched).rows)
+        for rows in work.rows.tables.values():
+            orjson.dumps(rows)  # the sink's encoding, as transient as in the processor
+        pipeline.sweep()
+
+    fold(_batch(runs, 0))
+    second = _batch(runs, runs)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        fold(second)
+        del second
+        gc.collect()
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    kept = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
+    return kept / runs
+
+
+if __name__ == "__main__":
+    count = int(sys.argv[1]) if len(sys.argv) > 1 else 20_000
+    print(f"{heap_per_open_run(count):.0f} bytes of Python heap per open run")

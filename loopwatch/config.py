@@ -62,6 +62,10 @@ class Settings(BaseSettings):
         "once per batch, so smaller batches write more state and were slower, not faster"
     )
     batch_max_wait_s: float = Field(0.5, gt=0)
+    settle_max_runs: int = Field(
+        20_000, ge=1, description="a batch stores (changelog + runs rows) the runs it "
+        "touched once this many are waiting, not only at its end: a batch of 2000 envelopes "
+        "can touch 100k+ runs, and each held ~10 KB of rows and changelog messages")
     max_message_bytes: int = Field(1_000_000, ge=1024)
 
     late_allowance_s: float = Field(

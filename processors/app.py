@@ -213,13 +213,18 @@ class Processor:
 
     async def _process_batch(self, messages: list[RawMessage]) -> None:
         """The last chunk's rows and the touched runs' rows go in one write, so a reader
-        who sees a batch's last events sees its runs too (as before chunking)."""
+        who sees a batch's last events sees its runs too (as before chunking). Once
+        ``settle_max_runs`` runs wait, they are stored with the chunk that reached the
+        limit, which bounds a batch's memory by runs as chunks bound it by bytes."""
         touched: dict[str, RunState] = {}
         writing: asyncio.Future[None] | None = None
         held: Work | None = None
         try:
             for chunk in self._chunks(messages):
                 work = self.pipeline.fold(chunk, touched)
+                if len(touched) >= self.settings.settle_max_runs:
+                    work.rows.extend(self.pipeline.settle(touched).rows)
+                    touched = {}
                 if held is not None:
                     if writing is not None:
                         await writing

@@ -39,6 +39,9 @@ PIPELINE_ENV = {
     "LOOPWATCH_OTLP_PORT": "0",
     "LOOPWATCH_SWEEP_INTERVAL_S": "1",
     "LOOPWATCH_CAPTURE_DECIDE_INTERVAL_S": "1",
+    # store touched runs every 3 runs within a batch (production: 20k), so every
+    # pipeline test also runs the mid-batch settle with its exact counts
+    "LOOPWATCH_SETTLE_MAX_RUNS": "3",
 }
 
 

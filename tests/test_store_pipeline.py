@@ -17,12 +17,13 @@ from ingest.events import EventBase, LlmCall, RunEnd, RunStart
 from ingest.wire import encode_envelope
 from loopwatch.config import Settings
 from loopwatch.reprocess import MemoryRunStore, reprocess_with
-from loopwatch.runtime import _insert_action
+from loopwatch.runtime import _insert_action, _store_callbacks
 from loopwatch.store.clickhouse import connect, migrate, run_query
-from loopwatch.store.reader import QueryError, ServiceReader
+from loopwatch.store.reader import DirectReader, QueryError, ServiceReader
 from loopwatch.store.remote_sink import ServiceSink
 from loopwatch.store.service import StoreService
 from processors.pipeline import Pipeline, RawMessage
+from processors.runs import seen_ids
 from processors.sink import ClickHouseSink, RowBatch
 
 T0 = datetime(2026, 11, 29, 9, 0, tzinfo=UTC)
@@ -71,6 +72,33 @@ def test_redelivered_batch_changes_nothing(store):
     assert row == [1, 1, 3.0]
     assert run_query(client, "SELECT count() FROM events FINAL WHERE run_id = 'again'"
                      ).scalar() == 3
+
+
+def test_a_run_read_back_from_the_store_still_knows_its_events(store):
+    """``runs.state`` leaves the seen event ids out; a state read back (adoption after a
+    broker restart, a label on a forgotten run) gets them from ``events``, so a
+    redelivered event is still a duplicate and the counts stay exact."""
+    settings, client = store
+    first = Pipeline(settings, MemoryRunStore())
+    events = run_events("read-back", 3.0)
+    ClickHouseSink(client).write_batch(first.process(messages(events[:2], offset=1)).rows)
+    stored = run_query(client, "SELECT state FROM runs FINAL WHERE run_id = 'read-back'"
+                       ).scalar()
+    assert json.loads(str(stored))["seen"] == ""
+    open_runs, lookup_run = _store_callbacks(DirectReader(client))
+    adopted = [state for state in open_runs() if state.run_id == "read-back"]
+    looked_up = lookup_run("read-back")
+    assert looked_up is not None and len(adopted) == 1
+    assert seen_ids(looked_up) == seen_ids(adopted[0]) == [e.event_id.bytes for e in events[:2]]
+    adopting = Pipeline(settings, MemoryRunStore())
+    assert adopting.adopt(adopted) == 1
+    resumed = adopting.process(messages(events, offset=1))  # the first two again, the end
+    looking_up = Pipeline(settings, MemoryRunStore(), lookup_run=lookup_run)
+    looked = looking_up.process(messages(events[1:], offset=2))  # the call again, the end
+    assert (adopting.counters.duplicates, looking_up.counters.duplicates) == (2, 1)
+    for work in (resumed, looked):
+        run = work.rows.tables["runs"][-1]
+        assert (run["outcome"], run["llm_calls"], run["cost_usd"]) == ("success", 1, 3.0)
 
 
 def test_reprocess_applies_a_new_price_table(store, tmp_path: Path):

@@ -124,7 +124,10 @@ def _now() -> datetime:
 class EventBase(BaseModel):
     """Fields every event carries. OTel names are in :data:`ingest.otel.FIELD_TO_OTEL`."""
 
-    model_config = ConfigDict(extra="allow", frozen=True, populate_by_name=True)
+    #: numbers must be finite: JSON has no NaN or infinity, but ``1e999`` parses as
+    #: infinity, and an infinite latency or cost would poison every aggregate over it
+    model_config = ConfigDict(extra="allow", frozen=True, populate_by_name=True,
+                              allow_inf_nan=False)
 
     event_id: uuid.UUID = Field(default_factory=time_ordered_uuid,
                                 description="dedup key (time-ordered UUIDv7 when generated)")

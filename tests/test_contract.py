@@ -59,6 +59,18 @@ def test_invalid_fields_raise_with_the_field_named():
         ToolCall(run_id="r", agent="a", tool="")
 
 
+def test_numbers_must_be_finite():
+    """``1e999`` is valid JSON that parses as infinity; it is refused (an infinite
+    latency would poison every aggregate, and JSON cannot even write it back)."""
+    with pytest.raises(ValidationError, match="finite number"):
+        LlmCall(run_id="r", agent="a", latency_ms=float("inf"))
+    value = b'{"event_type": "llm.call", "run_id": "r", "agent": "a", "latency_ms": 1e999}'
+    decoded = decode_message(value, 10_000)
+    assert decoded.events == []
+    assert [letter.reason for letter in decoded.dead] == [
+        "malformed JSON: number is infinity when parsed as double: line 1 column 71 (char 70)"]
+
+
 def test_envelope_round_trip_keeps_order():
     events = [ToolCall(run_id="r", agent="a", tool=f"t{i}") for i in range(5)]
     decoded = decode_message(encode_envelope(events), 100_000)

@@ -17,16 +17,20 @@ from pathlib import Path
 
 import orjson
 
-from ingest.wire import encode_event
+from ingest.wire import encode_envelope
 from loopwatch.config import load_settings
 from loopwatch.reprocess import MemoryRunStore
 from loopwatch.store.clickhouse import migrate
 from processors.pipeline import Pipeline, RawMessage
 from processors.sink import ClickHouseSink
 
+#: events per message, as the SDK groups them
+ENVELOPE_EVENTS = 200
+
 
 def bulk_load(data_dir: Path, events: int, seed: int, chunk: int = 20_000) -> dict[str, float]:
-    from bench.pipeline import generate_events
+    """Streams the fleet's events an hour at a time, so ten million never sit in memory."""
+    from bench.pipeline import event_hours
 
     started = time.monotonic()
     settings = load_settings(data_dir=data_dir)
@@ -35,15 +39,22 @@ def bulk_load(data_dir: Path, events: int, seed: int, chunk: int = 20_000) -> di
     pipeline = Pipeline(settings, MemoryRunStore())
     # history well before the pipeline's own traffic, so the two never share run ids
     end = datetime.now(UTC) - timedelta(days=2)
-    generated = generate_events(events, seed, end)
-    for start in range(0, len(generated), chunk):
-        messages = [
-            RawMessage("bench.bulk", 0, start + index, encode_event(event))
-            for index, event in enumerate(generated[start:start + chunk])
-        ]
-        work = pipeline.process(messages)
-        work.rows.extend(pipeline.sweep().rows)
-        sink.write_batch(work.rows)
+    offset = 0
+    for hour in event_hours(events, seed, end):
+        hour = hour[:events - offset]
+        for start in range(0, len(hour), chunk):
+            part = hour[start:start + chunk]
+            messages = [
+                RawMessage("bench.bulk", 0, offset + start + index,
+                           encode_envelope(part[index:index + ENVELOPE_EVENTS]))
+                for index in range(0, len(part), ENVELOPE_EVENTS)
+            ]
+            work = pipeline.process(messages)
+            work.rows.extend(pipeline.sweep().rows)
+            sink.write_batch(work.rows)
+        offset += len(hour)
+        if offset >= events:
+            break
     stored = int(client.command("SELECT count() FROM events"))  # type: ignore[arg-type]
     return {"events": stored, "seconds": time.monotonic() - started}
 

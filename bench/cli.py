@@ -3,12 +3,71 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import orjson
 import typer
+from rich.bar import Bar
 from rich.console import Console
 from rich.table import Table
+
+
+@dataclass(frozen=True)
+class Target:
+    """One of issue 7's targets: ``figure`` reads the value from a bench result."""
+
+    label: str
+    figure: str
+    goal: float
+    higher_is_better: bool
+    unit: str = ""
+
+
+#: the targets on the reference machine (2 cores shared with the broker)
+TARGETS = (
+    Target("processors / raw consumer", "ratio", 1 / 3, True),
+    Target("2 workers / 1 worker", "worker_scaling", 1.0, True, "x"),
+    Target("emitter, one process", "emitter_events_per_s", 50_000, True, " ev/s"),
+    Target("alert latency p95", "alert_latency_p95_s", 5.0, False, " s"),
+    Target("memory per open run", "memory_per_open_run_bytes", 1024, False, " B"),
+    Target("stored bytes per event", "stored_bytes_per_event", 60, False, " B"),
+    Target("slowest investigation query", "slowest_query_s", 1.0, False, " s"),
+)
+
+
+def _figure(result: dict[str, Any], name: str) -> float | None:
+    if name == "worker_scaling":
+        one, two = result["workers"].get("1"), result["workers"].get("2")
+        return two / one if one and two else None
+    if name == "slowest_query_s":
+        return max(result["query_latency_s"].values(), default=None)
+    value = result.get(name)
+    return None if value is None else float(value)
+
+
+def against_targets(result: dict[str, Any]) -> list[tuple[Target, float | None, float | None]]:
+    """(target, value, score) per target; score >= 1 means met (value / goal, or goal /
+    value where lower is better); None where the run did not measure it.
+
+    >>> rows = against_targets({"ratio": 0.1, "workers": {"1": 10.0, "2": 15.0},
+    ...     "emitter_events_per_s": 60_000.0, "alert_latency_p95_s": 2.5,
+    ...     "memory_per_open_run_bytes": 2048.0, "stored_bytes_per_event": None,
+    ...     "query_latency_s": {"a": 0.02, "b": 0.5}})
+    >>> [(t.figure, value, None if score is None else round(score, 2)) for t, value, score in rows]
+    ... # doctest: +NORMALIZE_WHITESPACE
+    [('ratio', 0.1, 0.3), ('worker_scaling', 1.5, 1.5), ('emitter_events_per_s', 60000.0, 1.2),
+     ('alert_latency_p95_s', 2.5, 2.0), ('memory_per_open_run_bytes', 2048.0, 0.5),
+     ('stored_bytes_per_event', None, None), ('slowest_query_s', 0.5, 2.0)]
+    """
+    rows: list[tuple[Target, float | None, float | None]] = []
+    for target in TARGETS:
+        value = _figure(result, target.figure)
+        score = None
+        if value is not None and value > 0:
+            score = value / target.goal if target.higher_is_better else target.goal / value
+        rows.append((target, value, score))
+    return rows
 
 
 def bench(
@@ -64,7 +123,30 @@ def print_result(result: dict[str, Any]) -> None:
     ]
     for name, value in rows:
         table.add_row(name, value)
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    console.print(targets_chart(result))
+
+
+#: the chart's bars end at this multiple of a target
+CHART_SCALE = 2.0
+
+
+def targets_chart(result: dict[str, Any]) -> Table:
+    """Each target as a bar of how far it is met: the bar's middle is the target."""
+    chart = Table(title="against the targets (bar middle = target; longer is better)")
+    for name in ("target", "value", "goal", "met", ""):
+        chart.add_column(name, justify="left" if name in ("target", "") else "right")
+    for target, value, score in against_targets(result):
+        goal = (">= " if target.higher_is_better else "<= ") + _fmt(target.goal, target.unit)
+        if score is None:
+            chart.add_row(target.label, "-", goal, "-", "")
+            continue
+        met = score >= 1
+        chart.add_row(target.label, _fmt(value, target.unit), goal, "yes" if met else "no",
+                      Bar(size=CHART_SCALE, begin=0, end=min(score, CHART_SCALE), width=30,
+                          color="green" if met else "red"))
+    return chart
 
 
 def register(app: typer.Typer) -> None:

@@ -55,7 +55,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -96,16 +96,25 @@ BASE_ENV = {"LOOPWATCH_OTLP_PORT": "0"}
 THROUGHPUT_ENV = {"LOOPWATCH_DETECT_INTERVAL_S": "3600"}
 
 
-def generate_events(count: int, seed: int, end: datetime) -> list[EventBase]:
-    """``count`` events of the fleet, in event-time order, ending about at ``end``."""
+def event_hours(count: int, seed: int, end: datetime) -> Iterator[list[EventBase]]:
+    """The fleet's events, one simulated hour at a time (each in event-time order),
+    ending about at ``end``, until at least ``count`` were generated."""
     per_hour = sum(agent.runs_per_minute for agent in FLEET) * 60 * 12
     hours = max(1, math.ceil(count / per_hour) + 1)
     window = end - timedelta(hours=hours)
     traffic = Traffic(FLEET, seed)
-    generated: list[EventBase] = []
-    while len(generated) < count:
-        generated.extend(traffic.events(window, window + timedelta(hours=1)))
+    generated = 0
+    while generated < count:
+        hour = sorted(traffic.events(window, window + timedelta(hours=1)),
+                      key=lambda event: event.ts)
+        generated += len(hour)
         window += timedelta(hours=1)
+        yield hour
+
+
+def generate_events(count: int, seed: int, end: datetime) -> list[EventBase]:
+    """``count`` events of the fleet, in event-time order, ending about at ``end``."""
+    generated = [event for hour in event_hours(count, seed, end) for event in hour]
     generated.sort(key=lambda event: event.ts)
     return generated[:count]
 

@@ -132,14 +132,26 @@ def _store_callbacks(reader: Reader) -> tuple[Callable[[], list[RunState]],
                 by_id[run_id].seen = seen_from_ids(event_ids)
         return states
 
+    def states(rows: list[list[Any]]) -> list[RunState]:
+        """The rows' states; a row without one (written by hand, or by a build before
+        ``state``) is skipped with a warning rather than stopping the processor."""
+        parsed = []
+        for (text,) in rows:
+            try:
+                parsed.append(RunState.from_dict(orjson.loads(text)))
+            except (orjson.JSONDecodeError, TypeError, KeyError, ValueError):
+                log.warning("a runs row has no readable state; not resumed: %.80r", text)
+        return with_seen(parsed)
+
     def open_runs() -> list[RunState]:
-        result = reader.query("SELECT state FROM runs FINAL WHERE status = 'running'")
-        return with_seen([RunState.from_dict(orjson.loads(row[0])) for row in result.rows])
+        return states(reader.query("SELECT state FROM runs FINAL WHERE status = 'running'")
+                      .rows)
 
     def lookup_run(run_id: str) -> RunState | None:
-        rows = reader.query("SELECT state FROM runs FINAL WHERE run_id = {run_id:String}",
-                            {"run_id": run_id}).rows
-        return with_seen([RunState.from_dict(orjson.loads(rows[0][0]))])[0] if rows else None
+        found = states(reader.query(
+            "SELECT state FROM runs FINAL WHERE run_id = {run_id:String}", {"run_id": run_id}
+        ).rows)
+        return found[0] if found else None
 
     return open_runs, lookup_run
 

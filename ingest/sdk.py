@@ -75,6 +75,13 @@ CONTEXT_FIELDS = ("agent", "agent_version", "task_type", "model", "prompt_versio
                   "deployment", "traffic_slice", "worker_id")
 #: Free-text fields of the contract that can carry what a user typed or a tool said.
 FREE_TEXT_FIELDS = ("error_type", "stop_reason", "message", "old_value", "new_value")
+
+
+@functools.cache
+def free_text_fields(kind: type[EventBase]) -> tuple[str, ...]:
+    """The :data:`FREE_TEXT_FIELDS` an event type has. Asking a pydantic model for a
+    field it lacks raises inside ``__getattr__``: that took 64 % of ``emit``."""
+    return tuple(name for name in FREE_TEXT_FIELDS if name in kind.model_fields)
 CAPTURE_MODES = ("off", "failures", "all")
 #: A spooled capture message is ``@<topic> <message>``: no event line starts with ``@``.
 SPOOL_TOPIC_MARK = b"@"
@@ -225,7 +232,7 @@ class Emitter:
         if self._closed:
             raise RuntimeError("emitter is closed")
         if not event.model_extra and all(
-                getattr(event, name, None) is None for name in FREE_TEXT_FIELDS):
+                getattr(event, name) is None for name in free_text_fields(type(event))):
             self._enqueue([event.__pydantic_serializer__.to_json(event, exclude_none=True)])
             return
         data = event.model_dump(mode="json", exclude_none=True)

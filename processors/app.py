@@ -71,10 +71,10 @@ _malloc_trim = _glibc_malloc_trim()
 
 def release_freed_memory() -> None:
     """Give memory that a batch's transient objects used back to the OS (glibc's
-    ``malloc_trim``, ~2 ms; a batch is up to ``batch_max_events`` messages). Without
-    it glibc keeps the freed chunks of every batch (state
-    JSON, row dicts, producer buffers, the insert body) in its arenas, and the
-    processor's RSS grew by ~2.5 KB per open run though live objects took ~0.75 KB."""
+    ``malloc_trim``, ~2 ms; a batch is up to ``batch_max_events`` messages). Without it
+    glibc keeps the freed chunks of every batch (state JSON, row dicts, producer
+    buffers, the insert body) in its arenas, and the processor's RSS grew by ~2.5 KB
+    per open run though live objects took ~0.75 KB."""
     if _malloc_trim is not None:
         _malloc_trim()
 

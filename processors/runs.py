@@ -149,18 +149,21 @@ def _packed(seen: bytes | dict[bytes, None]) -> bytes:
     return seen if isinstance(seen, bytes) else b"".join(seen)
 
 
+def _split(packed: bytes) -> list[bytes]:
+    """Packed ids as their 16-byte pieces, in order."""
+    return [packed[i:i + _ID] for i in range(0, len(packed), _ID)]
+
+
 def _unpacked(packed: bytes) -> bytes | dict[bytes, None]:
     """The in-memory form of packed ids: kept packed while short, else an ordered dict."""
     if len(packed) <= SEEN_PACKED_IDS * _ID:
         return packed
-    ids = [packed[i:i + _ID] for i in range(0, len(packed), _ID)]
-    return dict.fromkeys(ids[-SEEN_EVENT_IDS:])
+    return dict.fromkeys(_split(packed)[-SEEN_EVENT_IDS:])
 
 
 def seen_ids(state: RunState) -> list[bytes]:
     """The run's seen event ids (16 bytes each), oldest first."""
-    packed = _packed(state.seen)
-    return [packed[i:i + _ID] for i in range(0, len(packed), _ID)]
+    return _split(_packed(state.seen))
 
 
 def seen_from_ids(event_ids: list[str]) -> bytes | dict[bytes, None]:
@@ -189,7 +192,7 @@ def remember(state: RunState, event_id: bytes) -> bool:
         if len(seen) < SEEN_PACKED_IDS * _ID:
             state.seen = seen + event_id
             return True
-        seen = state.seen = dict.fromkeys(seen[i:i + _ID] for i in range(0, len(seen), _ID))
+        seen = state.seen = dict.fromkeys(_split(seen))
     if event_id in seen:
         return False
     seen[event_id] = None

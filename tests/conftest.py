@@ -15,14 +15,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+import orjson
 import pytest
 from clickhouse_connect.driver.client import Client
 
 from ingest.sdk import Emitter
 from loopwatch.config import Settings
 from loopwatch.embedded.broker import EmbeddedBroker, free_port
-from loopwatch.store.clickhouse import migrate
-from loopwatch.store.reader import ServiceReader
+from loopwatch.store.clickhouse import QueryResult, migrate
+from loopwatch.store.reader import DirectReader, ServiceReader
+from loopwatch.store.service import dumps
 from loopwatch.upprocess import UpProcess
 from tests.receivers import Receiver
 
@@ -146,6 +148,19 @@ class LiveReader(ServiceReader):
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         self.url = self._pipeline.info["url"]
         return super().post(path, body)
+
+
+class ServiceLikeReader:
+    """Hands back what a ``ServiceReader`` gets from a running ``loopwatch up``: the
+    store service's JSON (times as text without a zone, uuids as text)."""
+
+    def __init__(self, inner: DirectReader) -> None:
+        self.inner = inner
+
+    def query(self, sql: str, parameters: dict[str, Any] | None = None) -> QueryResult:
+        result = self.inner.query(sql, parameters)
+        payload = orjson.loads(dumps({"columns": result.columns, "rows": result.rows}))
+        return QueryResult(payload["columns"], payload["rows"])
 
 
 @pytest.fixture(scope="session")

@@ -29,10 +29,9 @@ from loopwatch.replay import (
 )
 from loopwatch.replay.cli import render_body
 from loopwatch.replay.diff import diff_json
-from loopwatch.store.clickhouse import QueryResult
 from loopwatch.store.reader import DirectReader
-from loopwatch.store.service import dumps
 from tests.captured import Call, llm, tool, write_run
+from tests.conftest import ServiceLikeReader
 
 SYSTEM = "You are a careful weather agent. Use tools; never guess."
 # Bodies chosen to catch any re-encoding: escapes, non-ASCII, a lone emoji, key order.
@@ -65,19 +64,6 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
 
 
-class JsonReader:
-    """What a ``ServiceReader`` hands back from a running ``loopwatch up``: the store
-    service's JSON (uuids and times as text)."""
-
-    def __init__(self, inner: DirectReader) -> None:
-        self.inner = inner
-
-    def query(self, sql: str, parameters: dict[str, Any] | None = None) -> QueryResult:
-        result = self.inner.query(sql, parameters)
-        payload = orjson.loads(dumps({"columns": result.columns, "rows": result.rows}))
-        return QueryResult(payload["columns"], payload["rows"])
-
-
 @pytest.fixture(scope="module")
 def store(local_store):
     settings, client = local_store
@@ -107,7 +93,7 @@ def test_replay_returns_every_body_byte_for_byte_in_the_exact_shape(store, kept_
     assert recording.capture.status == "kept" and recording.capture.reason == "failure:hard_error"
     assert recording.capture.parts == 6
     # through the store service's JSON the same values arrive
-    assert load_recording(JsonReader(reader), run_id).to_json() == recording.to_json()
+    assert load_recording(ServiceLikeReader(reader), run_id).to_json() == recording.to_json()
     assert [type(step["cost"]) for step in expected["steps"]] == [float] * 3
 
     result = CliRunner().invoke(app, ["replay", run_id, "--json",

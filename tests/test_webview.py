@@ -27,9 +27,8 @@ from dashboards.panels import OUTCOME_COLORS, panels_of
 from dashboards.sample import ensure_seeded
 from dashboards.web.api import BadRequest, NotFound, WebApi
 from dashboards.web.server import serve_in_thread
-from loopwatch.store.clickhouse import QueryResult
 from loopwatch.store.reader import DirectReader
-from loopwatch.store.service import dumps
+from tests.conftest import ServiceLikeReader
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
@@ -239,19 +238,6 @@ def rounded(value: Any) -> Any:
     if isinstance(value, dict):
         return {key: rounded(item) for key, item in value.items()}
     return value
-
-
-class ServiceLikeReader:
-    """Hands back what a ``ServiceReader`` gets from a running ``loopwatch up``: the
-    store service's JSON (times as text without a zone, uuids as text)."""
-
-    def __init__(self, inner: DirectReader) -> None:
-        self.inner = inner
-
-    def query(self, sql: str, parameters: dict[str, Any] | None = None) -> QueryResult:
-        result = self.inner.query(sql, parameters)
-        payload = orjson.loads(dumps({"columns": result.columns, "rows": result.rows}))
-        return QueryResult(payload["columns"], payload["rows"])
 
 
 def test_results_through_the_store_service_read_the_same(seeded):

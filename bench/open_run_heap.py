@@ -58,12 +58,18 @@ class _OnePartitionApp:
     assignor = _Assignor()
 
 
-def _batch(runs: int, offset: int) -> list[RawMessage]:
+def open_run_starts(runs: int) -> list[EventBase]:
+    """``run.start`` events of ``runs`` new runs that never end (also what
+    :func:`bench.pipeline.open_run_memory` sends through the broker)."""
     now = datetime.now(UTC)
-    starts: list[EventBase] = [
-        RunStart(run_id=uuid.uuid4().hex, ts=now, agent="bench-open", task_type="hold",
-                 model="claude-sonnet-4", prompt_version="v1", deployment="d1", step_cap=50)
-        for _ in range(runs)]
+    return [RunStart(run_id=uuid.uuid4().hex, ts=now, agent="bench-open", task_type="hold",
+                     model="claude-sonnet-4", prompt_version="v1", deployment="d1",
+                     step_cap=50)
+            for _ in range(runs)]
+
+
+def _batch(runs: int, offset: int) -> list[RawMessage]:
+    starts = open_run_starts(runs)
     return [RawMessage("bench", 0, offset + index,
                        encode_envelope(starts[index:index + ENVELOPE_EVENTS]))
             for index in range(0, runs, ENVELOPE_EVENTS)]

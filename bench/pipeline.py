@@ -62,7 +62,7 @@ from typing import Any
 
 import orjson
 
-from bench.open_run_heap import heap_per_open_run
+from bench.open_run_heap import heap_per_open_run, open_run_starts
 from ingest.events import EventBase, RunStart, Step
 from ingest.sdk import Emitter
 from loopwatch.config import load_settings
@@ -325,22 +325,16 @@ def open_run_memory(emitter: Emitter, runs: int, rounds: int,
                     processes: dict[str, tuple[int, str]]) -> dict[str, dict[str, Any]]:
     """VmRSS of each process (name: (pid, its consumer group)) after each of ``rounds``
     batches of ``runs`` new open runs, read once every group has committed the whole
-    topic. Per process:
-    ``first`` (growth per run over the first batch, which also pays one-time
-    allocations), ``rounds`` (growth per run of every batch) and ``slope`` (bytes per
-    open run, least squares over the batches after the first). A batch's transient
-    objects leave freed memory the allocator keeps, so a single batch's growth swings
-    by several KB per run when a batch holds ~20k runs (a batch's transients are ~100 MB:
-    prefetched messages, changelog messages waiting for the producer); with 100k runs per
-    batch the retained memory dominates, and the fitted slope over several batches
-    averages what is left."""
-    now = datetime.now(UTC)
+    topic. Per process: ``rounds`` (growth per run of every batch; the first also pays
+    one-time allocations) and ``slope`` (bytes per open run, least squares over the
+    batches after the first). A batch's transient objects (prefetched messages,
+    changelog messages waiting for the producer) leave freed memory the allocator keeps
+    and later batches reuse, so a single batch's growth swings by several KB per run;
+    the fitted slope averages over them."""
     readings: dict[str, list[int]] = {name: [] for name in processes}
     for round_ in range(rounds + 1):
         if round_:
-            starts = [RunStart(run_id=uuid.uuid4().hex, ts=now, agent="bench-open",
-                               task_type="hold", model="claude-sonnet-4", prompt_version="v1",
-                               deployment="d1", step_cap=50) for _ in range(runs)]
+            starts = open_run_starts(runs)
             for index in range(0, runs, 5000):
                 emitter.send_and_wait(starts[index:index + 5000], timeout_s=60)
             for _process_id, group in processes.values():
@@ -355,7 +349,7 @@ def open_run_memory(emitter: Emitter, runs: int, rounds: int,
     for name, values in readings.items():
         growth = [(after - before) / runs for before, after in itertools.pairwise(values)]
         opened = [float(runs * index) for index in range(1, len(values))]
-        result[name] = {"first": growth[0], "rounds": growth,
+        result[name] = {"rounds": growth,
                         "slope": _slope(opened, [float(v) for v in values[1:]])}
     return result
 

@@ -11,20 +11,17 @@ throughput (kafka-python sends ~8.6k messages/s per process here).
 Decoding never raises: what cannot be read comes back as :class:`DeadLetter` with a
 reason, so one bad event in an envelope does not cost its neighbours.
 
-Decoding is the processors' hot path, so it has two routes to one result. The fast
-route splits an envelope into its events' raw bytes (msgspec, no objects built) and
-validates them all in one pydantic call (``TypeAdapter(list[Event]).validate_json``,
-the models in :mod:`ingest.events` stay the only schema). If anything about the message
-is unusual (not an envelope of objects, a bad event, a wrong version) it falls back to
-the original per-event route, which decides and words every dead letter exactly as
-before. The fast route keeps each event's incoming bytes, so the ``events.payload``
-column is those bytes less the column fields (an orjson round trip) when they already
-hold every field, instead of pydantic's slower serialisation of the model.
+Decoding is the processors' hot path, so it has three routes to one result. Most
+messages decode in one msgspec pass into structs mirrored from the models
+(:mod:`ingest.structs`). A message the mirror does not plainly accept (extras, epoch
+times, lenient numbers) is split into its events' raw bytes and validated in one
+pydantic call (``TypeAdapter(list[Event]).validate_json``). If that fails too, the
+original per-event route decides and words every dead letter exactly as before.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -32,7 +29,6 @@ import orjson
 from pydantic import TypeAdapter, ValidationError
 
 from ingest.events import (
-    EVENT_TYPES,
     SCHEMA_VERSION,
     Event,
     EventBase,
@@ -40,6 +36,7 @@ from ingest.events import (
     check_schema_version,
     parse_event,
 )
+from ingest.structs import decode_events
 
 ENVELOPE_VERSION = 1
 #: the deepest nesting orjson writes back
@@ -59,9 +56,6 @@ class DeadLetter:
 class Decoded:
     events: list[EventBase]
     dead: list[DeadLetter]
-    #: per event, its incoming JSON when it can serve as the stored payload (see
-    #: :func:`payload_json`), else None; empty when no event kept its bytes
-    raw: list[bytes | None] = field(default_factory=list)
 
 
 class _Envelope(msgspec.Struct, forbid_unknown_fields=True):
@@ -73,39 +67,6 @@ class _Envelope(msgspec.Struct, forbid_unknown_fields=True):
 
 _ENVELOPE = msgspec.json.Decoder(_Envelope)
 _EVENT_LIST: TypeAdapter[list[Event]] = TypeAdapter(list[Event])
-#: fields whose value is never None unless given (required, or a non-None default):
-#: an event that was given all of them serialises to (semantically) its input
-_COMPLETE: dict[type[EventBase], frozenset[str]] = {
-    kind: frozenset(
-        name for name, info in kind.model_fields.items()
-        if info.is_required() or info.default_factory is not None or info.default is not None
-    )
-    for kind in EVENT_TYPES
-}
-
-
-def payload_json(event: EventBase, raw: bytes | None, leave_out: frozenset[str]) -> bytes:
-    """The event as stored JSON without the fields in ``leave_out``: from its incoming
-    bytes if they name every field that has a value (defaults included), else from
-    pydantic's own serialisation of the model.
-
-    >>> from ingest.events import Step
-    >>> step = Step(run_id="r", agent="a", step=3)
-    >>> kept = orjson.loads(payload_json(step, encode_event(step), frozenset({"ts", "run_id"})))
-    >>> "run_id" in kept, "ts" in kept, kept["step"], kept["event_type"]
-    (False, False, 3, 'step')
-    """
-    if raw is not None and _COMPLETE[type(event)] <= event.model_fields_set:
-        try:
-            fields = orjson.loads(raw)
-        except orjson.JSONDecodeError:  # valid for pydantic, not for orjson (huge ints)
-            fields = None
-        if isinstance(fields, dict):
-            for name in leave_out:
-                fields.pop(name, None)
-            return orjson.dumps(fields)
-    return event.__pydantic_serializer__.to_json(event, exclude=set(leave_out),
-                                                 exclude_none=True)
 
 
 def encode_event(event: EventBase) -> bytes:
@@ -167,13 +128,16 @@ def decode_message(value: bytes | None, max_bytes: int) -> Decoded:
         return Decoded(
             [], [DeadLetter(f"oversized message: {len(value)} bytes > {max_bytes}", value)]
         )
-    fast = _decode_fast(value)
+    mirrored = decode_events(value, ENVELOPE_VERSION)
+    if mirrored is not None:
+        return Decoded(mirrored, [])
+    fast = _decode_in_one_call(value)
     if fast is not None:
         return fast
     return _decode_slow(value)
 
 
-def _decode_fast(value: bytes) -> Decoded | None:
+def _decode_in_one_call(value: bytes) -> Decoded | None:
     """All events of a well-formed message in one validation; None if anything is off."""
     if value[:1] != b"{":
         return None
@@ -191,7 +155,7 @@ def _decode_fast(value: bytes) -> Decoded | None:
         events = _EVENT_LIST.validate_json(b"[" + b",".join(raws) + b"]")
     except (ValueError, RecursionError):
         return None
-    return Decoded(events, [], raws)  # type: ignore[arg-type]
+    return Decoded(events, [])  # type: ignore[arg-type]
 
 
 def _decode_slow(value: bytes) -> Decoded:

@@ -147,9 +147,8 @@ class Pipeline:
                 self._dead_letter(work, message, index, letter, now)
             if decoded.events:
                 self.last_event_wall = self.clock()
-            raws = decoded.raw or [None] * len(decoded.events)
-            for event, raw in zip(decoded.events, raws, strict=True):
-                self._handle_event(work, touched, message, event, raw, now)
+            for event in decoded.events:
+                self._handle_event(work, touched, message, event, now)
         return work
 
     def settle(self, touched: dict[str, RunState]) -> Work:
@@ -277,7 +276,6 @@ class Pipeline:
         touched: dict[str, RunState],
         message: RawMessage,
         event: EventBase,
-        raw: bytes | None,
         now: datetime,
     ) -> None:
         self.counters.events += 1
@@ -287,7 +285,7 @@ class Pipeline:
         else:
             self.counters.future_events += 1
         work.rows.add("events",
-                      rows.event_row(event, message.partition, message.offset, now, raw))
+                      rows.event_row(event, message.partition, message.offset, now))
         if isinstance(event, Annotation):
             work.rows.add("annotations", rows.annotation_row(event))
             return

@@ -8,7 +8,6 @@ from typing import Any
 import orjson
 
 from ingest.events import EVENT_TYPES, Annotation, EventBase, Label, LlmCall, ToolCall
-from ingest.wire import payload_json
 from processors.pricing import PricedCall
 from processors.runs import RunState
 
@@ -20,11 +19,6 @@ def utc_ms(epoch_ms: int | None) -> datetime | None:
     return None if epoch_ms is None else datetime.fromtimestamp(epoch_ms / 1000, tz=UTC)
 
 
-_EVENT_TYPE: dict[type[EventBase], str] = {
-    kind: str(kind.model_fields["event_type"].default) for kind in EVENT_TYPES
-}
-
-
 #: event fields the ``events`` table keeps as columns, and so leaves out of ``payload``
 #: (stored once, not twice: ``payload`` was half of the table's compressed bytes)
 EVENT_COLUMNS = ("event_id", "event_type", "schema_version", "ts", "run_id", "trace_id",
@@ -34,29 +28,45 @@ _IN_COLUMNS = frozenset(EVENT_COLUMNS)
 _OPTIONAL_IDS = ("trace_id", "span_id", "parent_span_id")
 
 
-def event_row(event: EventBase, partition: int, offset: int, now: datetime,
-              raw: bytes | None = None) -> dict[str, Any]:
-    """``raw``: the event's incoming JSON, stored as the payload (less the column
-    fields) when it is complete: re-serialising the model costs twice as much."""
+#: per event type, the fields ``payload`` holds: all but the columns (and event_type)
+_PAYLOAD_FIELDS: dict[type[EventBase], tuple[str, ...]] = {
+    kind: tuple(name for name in kind.model_fields if name not in _IN_COLUMNS)
+    for kind in EVENT_TYPES
+}
+
+
+def payload_json(event: EventBase) -> bytes:
+    """The event less its column fields, as stored JSON: every field that has a value
+    (defaults written out: the timeline panel reads e.g. ``step_type``), then extras.
+
+    >>> from ingest.events import Step
+    >>> kept = orjson.loads(payload_json(Step(run_id="r", agent="a", step=3, surprise=[1])))
+    >>> kept["step"], kept["step_type"], kept["surprise"], "tool" in kept, "run_id" in kept
+    (3, 'act', [1], False, False)
+    """
+    fields = event.__dict__
+    kept = {name: value for name in _PAYLOAD_FIELDS[type(event)]
+            if (value := fields[name]) is not None}
     extra = event.__pydantic_extra__
-    return {
-        "event_id": event.event_id,
-        "event_type": _EVENT_TYPE[type(event)],
-        "schema_version": event.schema_version,
-        "ts": event.ts,
-        "run_id": event.run_id,
-        "trace_id": event.trace_id or "",
-        "span_id": event.span_id or "",
-        "parent_span_id": event.parent_span_id or "",
-        "agent": event.agent,
-        **{name: getattr(event, name) for name in ENVELOPE_COLUMNS},
-        "payload": payload_json(event, raw, _IN_COLUMNS).decode(),
-        "extras": {key: orjson.dumps(value).decode() for key, value in extra.items()}
-        if extra else {},
-        "kafka_partition": partition,
-        "kafka_offset": offset,
-        "ingested_at": now,
-    }
+    if extra:
+        kept.update(extra)
+    return orjson.dumps(kept)
+
+
+def event_row(event: EventBase, partition: int, offset: int, now: datetime) -> dict[str, Any]:
+    fields = event.__dict__
+    extra = event.__pydantic_extra__
+    row = {name: fields[name] for name in EVENT_COLUMNS}
+    for name in _OPTIONAL_IDS:
+        if row[name] is None:
+            row[name] = ""
+    row["payload"] = payload_json(event).decode()
+    row["extras"] = ({key: orjson.dumps(value).decode() for key, value in extra.items()}
+                     if extra else {})
+    row["kafka_partition"] = partition
+    row["kafka_offset"] = offset
+    row["ingested_at"] = now
+    return row
 
 
 def event_json(columns: dict[str, Any], payload: str | bytes) -> bytes:
@@ -65,9 +75,8 @@ def event_json(columns: dict[str, Any], payload: str | bytes) -> bytes:
     left the column fields out hold them twice, with the same values).
 
     >>> from ingest.events import Step
-    >>> from ingest.wire import encode_event
     >>> step = Step(run_id="r", agent="a", step=2, ts="2026-01-02T03:04:05.678Z")
-    >>> row = event_row(step, 0, 0, step.ts, encode_event(step))
+    >>> row = event_row(step, 0, 0, step.ts)
     >>> Step.model_validate_json(event_json(row, row["payload"])) == step
     True
     """

@@ -1,9 +1,9 @@
 """The throughput work's shortcuts give the same answers as the plain paths they skip.
 
-- decoding: a well-formed message is validated in one pass (msgspec split + one pydantic
-  call); anything off falls back to event-by-event decoding with exact reasons;
-- stored payloads: the incoming bytes are stored only when they name every field that
-  has a value, else the model's own serialisation;
+- decoding: a plainly valid message decodes through the msgspec mirror
+  (``tests/test_struct_mirror.py``); one with extras is validated in one pydantic call;
+  anything off falls back to event-by-event decoding with exact reasons;
+- stored payloads: the event's fields less the columns, whichever route decoded it;
 - run state: the compact seen-id form, and states written in the older list form;
 - the sweep's deadline index: abandons exactly what a full scan would, also after the
   store changed behind it (a rebalance) and the index was rebuilt.
@@ -17,7 +17,8 @@ from datetime import UTC, datetime, timedelta
 import orjson
 
 from ingest.events import LlmCall, RunStart, Step
-from ingest.wire import _decode_fast, _decode_slow, decode_message, encode_envelope
+from ingest.structs import decode_events
+from ingest.wire import _decode_in_one_call, _decode_slow, decode_message, encode_envelope
 from loopwatch.config import Settings
 from loopwatch.reprocess import MemoryRunStore
 from processors.pipeline import Pipeline, RawMessage
@@ -45,9 +46,10 @@ def _events(run_id: str) -> list[dict[str, object]]:
             for index, event in enumerate(events)]
 
 
-def test_a_well_formed_envelope_takes_the_fast_path_with_the_same_events():
+def test_an_envelope_with_extras_is_validated_in_one_call_with_the_same_events():
     value = orjson.dumps({"envelope_version": 1, "events": _events("r-fast")})
-    fast = _decode_fast(value)
+    assert decode_events(value, 1) is None  # the mirror leaves extras to pydantic
+    fast = _decode_in_one_call(value)
     slow = _decode_slow(value)
     assert fast is not None and not fast.dead and not slow.dead
     assert [e.model_dump() for e in fast.events] == [e.model_dump() for e in slow.events]
@@ -59,7 +61,7 @@ def test_one_bad_event_falls_back_and_keeps_each_reason():
     events.insert(1, {"event_type": "step", "run_id": "r-mixed", "agent": "fast",
                       "step": -1})
     value = orjson.dumps({"envelope_version": 1, "events": events})
-    assert _decode_fast(value) is None
+    assert decode_events(value, 1) is None and _decode_in_one_call(value) is None
     decoded = decode_message(value, 1_000_000)
     assert [e.event_type for e in decoded.events] == ["run.start", "step", "llm.call"]
     assert [letter.reason for letter in decoded.dead] == [
@@ -68,32 +70,37 @@ def test_one_bad_event_falls_back_and_keeps_each_reason():
 
 
 def test_the_stored_payload_is_the_event_less_its_columns_and_rebuilds_it_whole():
-    """A complete event's payload is its incoming JSON less the fields ``events`` keeps
-    as columns; a partial one is serialised from the model, defaults written out.
+    """The payload is every field with a value less the fields ``events`` keeps as
+    columns, defaults written out, extras included, whichever route decoded the event.
     Columns + payload give back the same event (what ``reprocess`` reads)."""
     complete = Step(run_id="r", agent="a", step=1, ts=T0)
     complete_bytes = orjson.dumps(complete.model_dump(mode="json"))
     partial_bytes = b'{"event_type":"step","run_id":"r","agent":"a","step":1}'
-    kept = decode_message(complete_bytes, 10_000)
-    rebuilt = decode_message(partial_bytes, 10_000)
-    assert kept.raw == [complete_bytes]
+    extra_bytes = orjson.dumps(dict(complete.model_dump(mode="json"), step=2,
+                                    event_id=str(uuid.uuid4()), surprise={"kept": [1]}))
+    assert decode_events(complete_bytes, 1) is not None
+    assert decode_events(extra_bytes, 1) is None
     pipeline = Pipeline(Settings(), MemoryRunStore(), clock=lambda: T0.timestamp())
     work = pipeline.process([RawMessage("t", 0, 0, complete_bytes),
-                             RawMessage("t", 0, 1, partial_bytes)])
+                             RawMessage("t", 0, 1, partial_bytes),
+                             RawMessage("t", 0, 2, extra_bytes)])
     rows = work.rows.tables["events"]
     payloads = [orjson.loads(row["payload"]) for row in rows]
     incoming = orjson.loads(complete_bytes)
     assert payloads[0] == {name: value for name, value in incoming.items()
-                           if name not in EVENT_COLUMNS}
-    assert set(payloads[0]) == {"step", "step_type", "duration_ms", "action_type", "tool",
-                                "args_hash", "tokens_in", "tokens_out", "cost_usd"}
+                           if name not in EVENT_COLUMNS and value is not None}
+    assert set(payloads[0]) == {"step", "step_type", "duration_ms", "action_type",
+                                "tokens_in", "tokens_out", "cost_usd"}
     assert payloads[1]["step_type"] == "act"  # the default, written out for the dashboards
-    assert rebuilt.events[0].model_fields_set - set(EVENT_COLUMNS) < set(payloads[1])
+    assert payloads[2] == dict(payloads[0], step=2, surprise={"kept": [1]})
+    assert rows[2]["extras"] == {"surprise": '{"kept":[1]}'}
     again = [Step.model_validate_json(event_json(row, row["payload"])) for row in rows]
     assert again[0] == complete
+    assert again[2].model_extra == {"surprise": {"kept": [1]}} and again[2].step == 2
     # the partial event got its id and time when decoded: the pipeline's own decode
     assert (again[1].event_id, again[1].ts) == (rows[1]["event_id"], rows[1]["ts"])
     generated = {"event_id", "ts"}
+    rebuilt = decode_message(partial_bytes, 10_000)
     assert again[1].model_dump(exclude=generated) == rebuilt.events[0].model_dump(
         exclude=generated)
 

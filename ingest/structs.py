@@ -1,0 +1,145 @@
+"""msgspec mirrors of the event models: the processors' fastest decode.
+
+pydantic validates an event in ~3.7 µs; msgspec decodes the same JSON into a typed
+struct in ~0.9 µs. The mirrors are generated from the models in :mod:`ingest.events`
+at import (types, bounds, defaults), so the models stay the only schema, and each
+decoded struct becomes an instance of its model without a second validation.
+
+The mirror is strict where pydantic is lenient: unknown fields (extras), epoch-millis
+or non-RFC 3339 times, numbers as strings, a schema version other than this build's...
+make :func:`decode_events` return None, and the caller validates the message with
+pydantic as before. So the mirror only has to agree with pydantic on what it accepts,
+which ``tests/test_fast_paths.py`` checks on generated input. One known disagreement
+is guarded: for a time with more than 6 fractional digits msgspec rounds where pydantic
+truncates, so such messages are left to pydantic.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+from collections.abc import Callable
+from datetime import UTC
+from typing import Annotated, Any, Union, get_args, get_origin
+
+import msgspec
+from annotated_types import Ge, Gt, Le, MaxLen, MinLen
+
+from ingest.events import EVENT_TYPES, SCHEMA_VERSION, TS_MAX, TS_MIN, EventBase
+
+#: the annotated-types bounds the models use, as msgspec.Meta keywords
+_BOUNDS = {Ge: "ge", Gt: "gt", Le: "le", MinLen: "min_length", MaxLen: "max_length"}
+#: a 7th fractional digit ending a time string (a float's digits end at ``,`` or ``}``;
+#: a string that merely looks like it only costs that message the mirror)
+_SUB_MICROSECOND = re.compile(rb'\.\d{7,}[Zz+"-]')
+
+
+def _bounded(annotation: Any, metadata: list[Any], where: str) -> Any:
+    """``annotation`` with the model's bounds; an optional type gets them inside."""
+    bounds: dict[str, Any] = {}
+    for item in metadata:
+        keyword = _BOUNDS.get(type(item))
+        if keyword is None:
+            raise TypeError(f"{where}: no msgspec mirror for constraint {item!r}")
+        bounds[keyword] = getattr(item, keyword)
+    if not bounds:
+        return annotation
+    meta = msgspec.Meta(**bounds)
+    members = get_args(annotation)
+    if get_origin(annotation) in (Union, types.UnionType) and type(None) in members:
+        (inner,) = (member for member in members if member is not type(None))
+        return Annotated[inner, meta] | None
+    return Annotated[annotation, meta]
+
+
+def mirror(model: type[EventBase]) -> type[msgspec.Struct]:
+    """A struct with the model's fields, tagged by its ``event_type``; unknown fields
+    are an error (pydantic keeps them as extras, so such events take pydantic's path)."""
+    fields: list[tuple[str, Any, Any]] = []
+    for name, info in model.model_fields.items():
+        if name == "event_type":
+            continue
+        annotation = _bounded(info.annotation, info.metadata, f"{model.__name__}.{name}")
+        if info.default_factory is not None:
+            default = msgspec.field(default_factory=info.default_factory)  # type: ignore[arg-type]
+        elif info.is_required():
+            default = msgspec.NODEFAULT
+        else:
+            default = info.default
+        fields.append((name, annotation, default))
+    return msgspec.defstruct(
+        model.__name__, fields, kw_only=True, forbid_unknown_fields=True,
+        tag_field="event_type", tag=str(model.model_fields["event_type"].default),
+    )
+
+
+def _builder(model: type[EventBase]) -> Callable[[msgspec.Struct], EventBase]:
+    """Struct -> model instance, set up as pydantic's own ``model_construct`` does
+    (``__dict__``, fields set, extras, private), without validating again. Every field
+    counts as set: the struct cannot tell a given default from a filled-in one."""
+    tag = model.model_fields["event_type"].default
+    names = frozenset(model.model_fields)
+    new = object.__new__
+    assign = object.__setattr__
+    asdict = msgspec.structs.asdict
+
+    def build(struct: msgspec.Struct) -> EventBase:
+        fields = asdict(struct)
+        fields["event_type"] = tag
+        ts = fields["ts"]
+        if ts.tzinfo is not UTC:
+            ts = fields["ts"] = ts.replace(tzinfo=UTC) if ts.tzinfo is None \
+                else ts.astimezone(UTC)
+        if not TS_MIN <= ts <= TS_MAX:
+            raise ValueError("ts out of range")
+        event = new(model)
+        assign(event, "__dict__", fields)
+        assign(event, "__pydantic_fields_set__", set(names))
+        assign(event, "__pydantic_extra__", {})
+        assign(event, "__pydantic_private__", None)
+        return event
+
+    return build
+
+
+MIRRORS: dict[type[msgspec.Struct], Callable[[msgspec.Struct], EventBase]] = {
+    mirror(model): _builder(model) for model in EVENT_TYPES
+}
+_ANY_EVENT = Union[tuple(MIRRORS)]  # type: ignore[valid-type]  # noqa: UP007
+
+
+class _Envelope(msgspec.Struct, forbid_unknown_fields=True):
+    envelope_version: int
+    events: list[_ANY_EVENT]  # type: ignore[valid-type]
+
+
+_ENVELOPE = msgspec.json.Decoder(_Envelope)
+_EVENT = msgspec.json.Decoder(_ANY_EVENT)
+
+
+def decode_events(value: bytes, envelope_version: int) -> list[EventBase] | None:
+    """Every event of a message (an envelope or one event) as model instances, or None
+    if anything in it is not plainly valid (the caller then asks pydantic).
+
+    >>> events = decode_events(b'{"envelope_version":1,"events":[{"event_type":"step",'
+    ...     b'"run_id":"r","agent":"a","step":1,"ts":"2026-01-02T03:04:05+01:00"}]}', 1)
+    >>> type(events[0]).__name__, events[0].step, events[0].ts.isoformat()
+    ('Step', 1, '2026-01-02T02:04:05+00:00')
+    >>> decode_events(b'{"event_type":"step","run_id":"r","agent":"a","step":1,"x":2}', 1)
+    """
+    if _SUB_MICROSECOND.search(value):
+        return None
+    try:
+        if b'"envelope_version"' in value:
+            envelope = _ENVELOPE.decode(value)
+            if envelope.envelope_version != envelope_version:
+                return None
+            structs = envelope.events
+        else:
+            structs = [_EVENT.decode(value)]
+        events = [MIRRORS[type(struct)](struct) for struct in structs]
+    except (msgspec.DecodeError, ValueError, RecursionError):
+        return None
+    if not events or any(event.schema_version != SCHEMA_VERSION for event in events):
+        return None
+    return events

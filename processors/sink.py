@@ -36,6 +36,20 @@ class RowBatch:
         for table, rows in other.tables.items():
             self.tables[table].extend(rows)
 
+    def take_all_but(self, table: str) -> RowBatch:
+        """Move every other table's rows out into a new batch.
+
+        >>> batch = RowBatch()
+        >>> batch.add("events", {"n": 1}); batch.add("runs", {"n": 2})
+        >>> rest = batch.take_all_but("events")
+        >>> dict(batch.tables), dict(rest.tables)
+        ({'events': [{'n': 1}]}, {'runs': [{'n': 2}]})
+        """
+        rest = RowBatch()
+        for name in [name for name in self.tables if name != table]:
+            rest.tables[name] = self.tables.pop(name)
+        return rest
+
     def __len__(self) -> int:
         return sum(len(rows) for rows in self.tables.values())
 

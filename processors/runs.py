@@ -24,6 +24,7 @@ Outcome precedence, from the agent's terminal reason, the loop detector and labe
 from __future__ import annotations
 
 import base64
+import sys
 import uuid
 from dataclasses import dataclass, fields
 from typing import Any
@@ -207,11 +208,17 @@ def new_state(event: EventBase, partition: int, when: int | None = None) -> RunS
 
 
 def _take_dimensions(state: RunState, event: EventBase, authoritative: bool) -> None:
+    """Copy the event's dimensions the run lacks (all of them from ``run.start``).
+
+    They are interned: thousands of open runs share a few agents and models, and a
+    decoder may hand every event its own copy of each string (msgspec does; pydantic
+    caches them), which cost ~330 B per open run.
+    """
     for name in ("agent", "agent_version", "task_type", "model", "prompt_version",
                  "deployment", "traffic_slice", "worker_id"):
         value = getattr(event, name)
         if value and (authoritative or not getattr(state, name)):
-            setattr(state, name, value)
+            setattr(state, name, sys.intern(value))
 
 
 def _detect_loop(state: RunState, action: str, window: int, repeats: int) -> None:
@@ -277,11 +284,11 @@ def apply_event(
     elif isinstance(event, RunEnd):
         state.end_ms = when
         state.abandoned_ms = None
-        state.terminal_reason = event.terminal_reason or ""
-        state.cap = event.cap or ""
+        state.terminal_reason = sys.intern(event.terminal_reason or "")
+        state.cap = sys.intern(event.cap or "")
     elif isinstance(event, Label):
-        state.verdict = event.verdict
-        state.label_source = event.label_source
+        state.verdict = sys.intern(event.verdict)
+        state.label_source = sys.intern(event.label_source)
     return True
 
 

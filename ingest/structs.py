@@ -9,7 +9,7 @@ The mirror is strict where pydantic is lenient: unknown fields (extras), epoch-m
 or non-RFC 3339 times, numbers as strings, a schema version other than this build's...
 make :func:`decode_events` return None, and the caller validates the message with
 pydantic as before. So the mirror only has to agree with pydantic on what it accepts,
-which ``tests/test_fast_paths.py`` checks on generated input. One known disagreement
+which ``tests/test_struct_mirror.py`` checks on generated input. One known disagreement
 is guarded: for a time with more than 6 fractional digits msgspec rounds where pydantic
 truncates, so such messages are left to pydantic.
 """

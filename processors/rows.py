@@ -54,6 +54,9 @@ def payload_json(event: EventBase) -> bytes:
 
 
 def event_row(event: EventBase, partition: int, offset: int, now: datetime) -> dict[str, Any]:
+    """The ``events`` row: the column fields read straight from the instance's field
+    dict (the same for validated and mirrored events), the rest as the payload, the
+    extras once more as a map, and where in Kafka the event came from."""
     fields = event.__dict__
     extra = event.__pydantic_extra__
     row = {name: fields[name] for name in EVENT_COLUMNS}

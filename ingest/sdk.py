@@ -42,7 +42,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import orjson
 from kafka import KafkaProducer
@@ -662,9 +662,13 @@ class RunContext:
         self._emit(RunStart, **self.start_fields)
 
     def step(self, **fields: Any) -> EventBase:
+        """A ``step``; without ``step=`` it numbers itself after the previous one. The
+        counter moves only once the event validated (``step=inf`` raised OverflowError
+        from ``int()`` instead of the model's ValidationError)."""
         fields.setdefault("step", self.step_number)
-        self.step_number = int(fields["step"]) + 1
-        return self._emit(Step, **fields)
+        event = cast(Step, self._emit(Step, **fields))
+        self.step_number = event.step + 1
+        return event
 
     def llm_call(self, prompt: Any = None, response: Any = None, **fields: Any) -> EventBase:
         """An ``llm.call``; ``prompt`` (a string or a list of chat messages) and

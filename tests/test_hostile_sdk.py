@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given
+from hypothesis import HealthCheck, example, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 from kafka import KafkaProducer
@@ -78,6 +78,8 @@ def test_bad_calls_raise_at_the_call_site_and_never_stop_the_sender(
                                   | st.sampled_from([*ODD_STRINGS, nested(300), "x" * 50_000,
                                                      float("nan"), float("inf"), -1]),
                                   max_size=4))
+    @example(method="step", fields={"step": float("inf")})  # was OverflowError from int()
+    @example(method="step", fields={"step": 1e300})
     def call(method: str, fields: dict[str, Any]) -> None:
         with emitter.run(agent=garbage_agent) as run:
             try:

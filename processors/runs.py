@@ -115,6 +115,10 @@ class RunState:
         else:
             values["seen"] = _unpacked(b"".join(uuid.UUID(str(text)).bytes for text in seen))
         values["recent_actions"] = values.get("recent_actions") or None
+        for name in _SHARED_STRINGS:
+            text = values.get(name)
+            if isinstance(text, str):
+                values[name] = sys.intern(text)
         return cls(**values)
 
     @property
@@ -144,6 +148,13 @@ class RunState:
 
 
 _FIELDS: tuple[str, ...] = tuple(f.name for f in fields(RunState))
+#: the run's dimensions, copied from its events (see :func:`_take_dimensions`)
+DIMENSIONS = ("agent", "agent_version", "task_type", "model", "prompt_version",
+              "deployment", "traffic_slice", "worker_id")
+#: the string fields thousands of runs share a few values of, kept interned: a decoder
+#: may hand every event its own copy of each string (msgspec does; pydantic caches
+#: them), and so does orjson reading a changelog; the copies cost ~330 B per open run
+_SHARED_STRINGS = (*DIMENSIONS, "terminal_reason", "cap", "verdict", "label_source")
 
 
 def _packed(seen: bytes | dict[bytes, None]) -> bytes:
@@ -208,14 +219,9 @@ def new_state(event: EventBase, partition: int, when: int | None = None) -> RunS
 
 
 def _take_dimensions(state: RunState, event: EventBase, authoritative: bool) -> None:
-    """Copy the event's dimensions the run lacks (all of them from ``run.start``).
-
-    They are interned: thousands of open runs share a few agents and models, and a
-    decoder may hand every event its own copy of each string (msgspec does; pydantic
-    caches them), which cost ~330 B per open run.
-    """
-    for name in ("agent", "agent_version", "task_type", "model", "prompt_version",
-                 "deployment", "traffic_slice", "worker_id"):
+    """Copy the event's dimensions the run lacks (all of them from ``run.start``),
+    interned (see :data:`_SHARED_STRINGS`)."""
+    for name in DIMENSIONS:
         value = getattr(event, name)
         if value and (authoritative or not getattr(state, name)):
             setattr(state, name, sys.intern(value))

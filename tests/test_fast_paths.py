@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import sys
 import uuid
 from datetime import UTC, datetime, timedelta
 
@@ -115,6 +116,20 @@ def test_run_state_round_trips_and_reads_the_older_list_of_seen_ids():
     assert again.to_dict() == state.to_dict()
     older = dict(state.to_dict(), seen=[str(event_id) for event_id in ids])
     assert seen_ids(RunState.from_dict(older)) == [event_id.bytes for event_id in ids]
+
+
+def test_run_states_share_their_dimension_strings_however_they_were_built():
+    """A run folded from a mirrored event and a run read back from its changelog hold
+    the interned copy of each shared string, not one of their own."""
+    model = "".join(["claude-", "shared-", "model"])  # built at run time: not interned
+    value = orjson.dumps({"event_type": "run.start", "run_id": "r-shared", "agent": "fast",
+                          "model": model})
+    pipeline = Pipeline(Settings(), MemoryRunStore(), clock=lambda: T0.timestamp())
+    pipeline.process([RawMessage("t", 0, 0, value)])
+    folded = pipeline.store.get("r-shared")
+    assert folded is not None and folded.model is sys.intern(model)
+    recovered = RunState.from_dict(orjson.loads(orjson.dumps(folded.to_dict())))
+    assert recovered.model is sys.intern(model) and recovered.agent is sys.intern("fast")
 
 
 def test_a_long_run_switches_its_seen_ids_to_a_dict_and_keeps_the_newest():

@@ -27,8 +27,9 @@ to the baseline measured in the same run; the machine is shared):
 * ``processor_peak_rss_mb``: VmHWM of the ``up`` child (it also hosts chdb, the store
   service and the detectors).
 * ``memory_per_open_run_bytes``: the Python heap an open run keeps in the processor
-  (:mod:`bench.open_run_heap`: tracemalloc over a second batch of ``run.start`` events
-  folded by the real pipeline into the real ``TableRunStore``). Beside it, on stderr:
+  (:mod:`bench.open_run_heap`: tracemalloc over two batches of ``run.start`` events
+  folded from an empty pipeline by the real pipeline into the real ``TableRunStore``,
+  containers included). Beside it, on stderr:
   VmRSS of a ``loopwatch worker`` (the processor alone: own consumer group, writing
   through the store service of an ``up`` child) and of that ``up`` child after each of
   5 batches of K open runs, and the least-squares slope over batches 2-5. RSS moves in

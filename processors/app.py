@@ -2,14 +2,15 @@
 
 One agent consumes the events topic in batches (``take_events``). For each batch:
 decode and fold into run state (the ``runs`` table, changelogged), write the rows to
-ClickHouse (blocking until accepted), publish dead letters, and only then let faust
-ack the batch. faust commits acked offsets after flushing its producer, so the state
-changelog is always at least as new as the committed offsets; redelivered events are
-recognised by ``event_id`` in the run state and by ClickHouse's dedup keys.
+ClickHouse and the changed states to the changelog, publish dead letters, and only
+once all of them were accepted let faust ack the batch's messages (each carries an
+extra reference until then, so the next batch can fold meanwhile). faust commits
+acked offsets, so the state changelog is always at least as new as the committed
+offsets; redelivered events are recognised by ``event_id`` in the run state and by
+ClickHouse's dedup keys.
 
-Table writes carry an explicit partition (the run's source partition), because a
-batch spans partitions and faust would otherwise changelog every key under the
-partition of the batch's last event.
+Changelog records carry an explicit partition (the run's source partition), because
+a batch spans partitions.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import ctypes
 import ctypes.util
 import gc
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -45,12 +47,15 @@ CHUNK_MESSAGE_BYTES = 400
 #: batch's last write, or until ``DEFERRED_MAX_ROWS`` of them wait
 STREAMED_TABLE = "events"
 DEFERRED_MAX_ROWS = 40_000
+#: writes queued for the sink thread at a time (a chunk's rows, or a batch's last
+#: write); more waiting writes hold more rows in memory and gained nothing measurable
+WRITES_IN_FLIGHT = 2
 
 
-#: the producer (mostly the state changelog, ~1 message per run per batch) fills
-#: requests of up to 1 MB, waiting up to 20 ms for them to fill, instead of faust's
-#: 16 KB and no wait: 500k bench events took ~2 µs less main-thread CPU each (18-19 vs
-#: 20-21 µs). faust still flushes the producer before it commits offsets.
+#: the producer's record batches (the state changelog's, ~1 record per run per batch,
+#: see :meth:`TableRunStore.send_changes`) take up to 1 MB, and a request waits up to
+#: 20 ms to fill, instead of faust's 16 KB and no wait: 500k bench events took ~2 µs
+#: less main-thread CPU each (18-19 vs 20-21 µs) when faust still sent the changelog.
 CHANGELOG_BATCH_BYTES = 1_000_000
 CHANGELOG_LINGER_MS = 20
 
@@ -98,12 +103,21 @@ class TableRunStore:
     orjson bytes for what changelog recovery put there; ``get`` turns bytes into an
     object once. Decoding and re-encoding every state on every access cost more than
     folding the events.
+
+    Changes are not sent one by one through faust's producer buffer, which drains one
+    message per event-loop hop and stalls the stream above 100 waiting messages: they
+    wait here (the last change per run) until :meth:`send_changes` sends them as one
+    record batch per partition, which the processor awaits before a batch is acked.
+    The records are those ``Table.send_changelog`` would send (raw key and value), so
+    faust's recovery reads them unchanged.
     """
 
     def __init__(self, table: Any, app: faust.App, topic: str) -> None:
         self._table = table
         self._app = app
         self._topic = topic
+        self._changes: dict[bytes, tuple[int, bytes | None]] = {}
+        self._sending = asyncio.Lock()
 
     def active_partitions(self) -> set[int]:
         return {tp.partition for tp in self._app.assignor.assigned_actives()
@@ -121,12 +135,14 @@ class TableRunStore:
     def put(self, state: RunState) -> None:
         key = state.run_id.encode()
         self._table.data[key] = state
-        self._table.send_changelog(state.partition, key, orjson.dumps(state.to_dict()))
+        self._changes.pop(key, None)
+        self._changes[key] = (state.partition, orjson.dumps(state.to_dict()))
 
     def delete(self, state: RunState) -> None:
         key = state.run_id.encode()
         self._table.data.pop(key, None)
-        self._table.send_changelog(state.partition, key, None, value_serializer="raw")
+        self._changes.pop(key, None)
+        self._changes[key] = (state.partition, None)
 
     def states(self) -> Iterator[RunState]:
         active = self.active_partitions()
@@ -134,6 +150,34 @@ class TableRunStore:
             state = raw if isinstance(raw, RunState) else self.get(key.decode())
             if state is not None and state.partition in active:
                 yield state
+
+    async def send_changes(self) -> None:
+        """Send the waiting changes to the changelog and wait until the broker has
+        them. Changes made meanwhile wait for the next call; calls send one after the
+        other, so a run's records reach the changelog in the order they were made."""
+        if not self._changes:
+            return
+        changes, self._changes = self._changes, {}
+        async with self._sending:
+            await self._send(changes)
+
+    async def _send(self, changes: dict[bytes, tuple[int, bytes | None]]) -> None:
+        producer = self._app.producer._ensure_producer()  # type: ignore[attr-defined]
+        topic = self._table.changelog_topic.get_topic_name()
+        by_partition: dict[int, list[tuple[bytes, bytes | None]]] = {}
+        for key, (partition, value) in changes.items():
+            by_partition.setdefault(partition, []).append((key, value))
+        delivered = []
+        for partition, records in by_partition.items():
+            batch = producer.create_batch()
+            for key, value in records:
+                if batch.append(key=key, value=value, timestamp=None) is None:
+                    delivered.append(await producer.send_batch(batch, topic,
+                                                               partition=partition))
+                    batch = producer.create_batch()
+                    batch.append(key=key, value=value, timestamp=None)
+            delivered.append(await producer.send_batch(batch, topic, partition=partition))
+        await asyncio.gather(*delivered)
 
 
 class Processor:
@@ -151,6 +195,7 @@ class Processor:
         self.sink = RetryingSink(sink, settings.sink_retry_s)
         self._open_runs = open_runs
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sink")
+        self._in_flight: deque[asyncio.Future[None]] = deque()
         self._adopted_for: frozenset[int] | None = None
         self.positions: dict[int, int] = {}
         self._caught_up = False
@@ -198,35 +243,67 @@ class Processor:
         self.capture_stage = register_captures(self)
 
     async def _assemble(self, stream: Any) -> None:
-        """Fold and write a taken batch in chunks of about ``CHUNK_BYTES`` (a message
-        may be an envelope of hundreds of events), overlapping the fold of one chunk
-        with the store write of the previous. The runs it touched are stored
-        (changelog) and written once, after the last chunk. faust acks the batch only
-        after the loop body returns, i.e. after every write returned.
+        """Fold and write taken batches, acking each batch's events only once its
+        writes were accepted.
 
-        faust also acks a taken batch when the loop body is interrupted (its ``finally``),
-        e.g. when the agent is cancelled on stop: the batch therefore runs as its own
-        task, and a cancellation waits for it to finish, so no batch is ever acked with
-        its events stored but its runs not.
+        A batch is folded in chunks of about ``CHUNK_BYTES`` (a message may be an
+        envelope of hundreds of events), each chunk's rows written while the next
+        folds (up to ``WRITES_IN_FLIGHT`` writes queued). The loop body returns once
+        the batch's last write is *queued*, so the next batch folds while it runs: faust
+        acks a batch when the body returns, and every message therefore carries one
+        extra reference (``incref``) that :meth:`_ack_when_stored` drops after the
+        batch's writes, in batch order. Offsets are committed only for acked messages.
+
+        faust also acks a taken batch when the loop body is interrupted (its
+        ``finally``), e.g. when the agent is cancelled on stop; the extra reference
+        keeps such a batch's offsets uncommitted too, and a cancellation waits for the
+        batch and its writes, so it is acked with its events and runs stored.
         """
         tune_gc()
+        acked: asyncio.Future[None] | None = None
         async for events in stream.take_events(
             self.settings.batch_max_events, within=self.settings.batch_max_wait_s
         ):
+            for event in events:
+                event.message.incref()
             messages = [
                 RawMessage(e.message.topic, e.message.partition, e.message.offset,
                            e.message.value)
                 for e in events
             ]
             batch = asyncio.ensure_future(self._process_batch(messages))
+            acked = asyncio.ensure_future(
+                self._ack_when_stored(stream, events, messages, batch, acked))
             try:
                 await asyncio.shield(batch)
             except asyncio.CancelledError:
-                await batch
+                await acked
                 raise
 
-    async def _process_batch(self, messages: list[RawMessage]) -> None:
-        """Each chunk's ``events`` rows are written while the next chunk folds; the
+    async def _ack_when_stored(self, stream: Any, events: list[Any],
+                               messages: list[RawMessage],
+                               batch: asyncio.Future[list[asyncio.Future[None]]],
+                               previous: asyncio.Future[None] | None) -> None:
+        """Drop the extra reference of a batch's messages once its writes (and the
+        previous batch's acks) are done. A failed write leaves them unacked: they are
+        redelivered after the processor restarts, never committed unstored."""
+        for write in await batch:
+            await write
+        if previous is not None:
+            await previous
+        for event in events:
+            await stream.ack(event)
+        for message in messages:
+            self.positions[message.partition] = max(
+                self.positions.get(message.partition, -1), message.offset
+            )
+        release_freed_memory()
+
+    async def _process_batch(self, messages: list[RawMessage]
+                             ) -> list[asyncio.Future[None]]:
+        """Fold a batch and queue its writes; returns their futures.
+
+        Each chunk's ``events`` rows are written while the next chunk folds; the
         other tables' rows wait for the batch's last write (one insert per table per
         batch: writing five tables per chunk made chdb the bottleneck, at ~10 ms an
         insert). The last chunk, the waiting rows and the touched runs go in one write,
@@ -235,36 +312,31 @@ class Processor:
         chunk that reached the limit, which bounds a batch's memory as chunks do."""
         touched: dict[str, RunState] = {}
         deferred = RowBatch()
-        writing: asyncio.Future[None] | None = None
-        held: Work | None = None
-        try:
-            for chunk in self._chunks(messages):
-                work = self.pipeline.fold(chunk, touched)
-                deferred.extend(work.rows.take_all_but(STREAMED_TABLE))
-                if len(touched) >= self.settings.settle_max_runs \
-                        or len(deferred) >= DEFERRED_MAX_ROWS:
-                    work.rows.extend(self.pipeline.settle(touched).rows)
-                    work.rows.extend(deferred)
-                    touched, deferred = {}, RowBatch()
-                if held is not None:
-                    if writing is not None:
-                        await writing
-                    writing = asyncio.ensure_future(self._write(held))
-                held = work
-        finally:
-            if writing is not None:
-                await writing
-        last = self.pipeline.settle(touched)
+        chunks = list(self._chunks(messages))
+        writes: list[asyncio.Future[None]] = []
+        for chunk in chunks[:-1]:
+            work = self.pipeline.fold(chunk, touched)
+            deferred.extend(work.rows.take_all_but(STREAMED_TABLE))
+            if len(touched) >= self.settings.settle_max_runs \
+                    or len(deferred) >= DEFERRED_MAX_ROWS:
+                work.rows.extend(self.pipeline.settle(touched).rows)
+                work.rows.extend(deferred)
+                touched, deferred = {}, RowBatch()
+            writes.append(await self._queue_write(work))
+        last = self.pipeline.fold(chunks[-1], touched) if chunks else Work()
+        last.rows.extend(self.pipeline.settle(touched).rows)
         last.rows.extend(deferred)
-        if held is not None:
-            held.rows.extend(last.rows)
-            last = held
-        await self._write(last)
-        for message in messages:
-            self.positions[message.partition] = max(
-                self.positions.get(message.partition, -1), message.offset
-            )
-        release_freed_memory()
+        writes.append(await self._queue_write(last))
+        return writes
+
+    async def _queue_write(self, work: Work) -> asyncio.Future[None]:
+        """Start writing ``work`` once fewer than ``WRITES_IN_FLIGHT`` writes are
+        queued (bounding the rows held in memory), and return its future."""
+        while len(self._in_flight) >= WRITES_IN_FLIGHT:
+            await self._in_flight.popleft()
+        write = self._start_write(work)
+        self._in_flight.append(write)
+        return write
 
     def _chunks(self, messages: list[RawMessage]) -> Iterator[list[RawMessage]]:
         """Consecutive runs of messages of about ``CHUNK_BYTES``."""
@@ -308,9 +380,28 @@ class Processor:
             log.info("rebuilt %d open runs from the store", adopted)
 
     async def _write(self, work: Work) -> None:
+        await self._start_write(work)
+
+    def _start_write(self, work: Work) -> asyncio.Future[None]:
+        """Hand the rows to the sink thread now, and return the future of the whole
+        write: rows accepted, state changes on the changelog, dead letters published.
+
+        The rows are submitted before this returns, not when the event loop next runs
+        a task: the caller folds the next chunk synchronously, and a write wrapped in a
+        task did not start until that fold was over, so fold and insert ran one after
+        the other (an insert's ~13 µs per event added to the fold's ~16)."""
+        rows_accepted = None
         if len(work.rows):
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._writer, self.sink.write_batch, work.rows)
+            rows_accepted = asyncio.get_running_loop().run_in_executor(
+                self._writer, self.sink.write_batch, work.rows)
+        return asyncio.ensure_future(self._finish_write(work, rows_accepted))
+
+    async def _finish_write(self, work: Work,
+                            rows_accepted: asyncio.Future[None] | None) -> None:
+        pending: list[Awaitable[None]] = [self.store.send_changes()]
+        if rows_accepted is not None:
+            pending.append(rows_accepted)
+        await asyncio.gather(*pending)
         for letter in work.dead:
             await self.deadletter_topic.send(
                 key=letter.letter_id.encode(),

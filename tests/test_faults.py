@@ -5,11 +5,31 @@ from __future__ import annotations
 import threading
 import time
 
+from kafka import KafkaConsumer, TopicPartition
+
 from ingest.sdk import Emitter
+from loopwatch.config import Settings
+from loopwatch.embedded.broker import EmbeddedBroker
 from loopwatch.upprocess import UpProcess
 from tests.conftest import scalar, stored_events, wait_for, wait_stored
 
 RUNS = 1500
+SETTINGS = Settings()
+
+
+def offsets(bootstrap: str) -> tuple[dict[int, int], dict[int, int]]:
+    """(end offsets, offsets the processors' group committed) of the events topic."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=SETTINGS.consumer_group,
+                             enable_auto_commit=False)
+    try:
+        topic = SETTINGS.events_topic
+        partitions = [TopicPartition(topic, p)
+                      for p in sorted(consumer.partitions_for_topic(topic) or ())]
+        ends = {tp.partition: offset for tp, offset in consumer.end_offsets(partitions).items()}
+        committed = {tp.partition: consumer.committed(tp) or 0 for tp in partitions}
+        return ends, committed
+    finally:
+        consumer.close()
 
 
 def test_processor_killed_mid_stream_loses_nothing_and_counts_nothing_twice(
@@ -60,13 +80,14 @@ def test_processor_killed_mid_stream_loses_nothing_and_counts_nothing_twice(
 
 
 
-def test_store_unavailable_processors_wait_and_lose_nothing(pipeline: UpProcess, reader,
-                                                            emitter: Emitter, agent: str):
+def test_store_unavailable_processors_wait_and_lose_nothing(
+        broker: EmbeddedBroker, pipeline: UpProcess, reader, emitter: Emitter, agent: str):
     """Guarantee: while ClickHouse refuses writes the processors stop there (nothing is
     acked, so no offset moves past the refused batch) and, once it is back, every event is
     stored exactly once. The in-process chdb store cannot be stopped on its own, so the
     fault is injected at the sink (a marker file the sink checks; see FaultInjectingSink)."""
     marker = pipeline.data_dir / "store-down"
+    before_outage, _ = offsets(broker.bootstrap)
     marker.touch()
     try:
         failures_before = pipeline.health()["sink_failures"]
@@ -77,11 +98,19 @@ def test_store_unavailable_processors_wait_and_lose_nothing(pipeline: UpProcess,
         assert emitter.flush(30)
         wait_for(lambda: pipeline.health()["sink_failures"] >= failures_before + 3, 60,
                  what="the processors to hit the unavailable store")
+        time.sleep(2)  # two commit intervals: a wrongly acked batch would be committed now
+        ends, committed = offsets(broker.bootstrap)
+        assert ends != before_outage, "the events must have reached the broker"
+        assert all(committed[p] <= before_outage[p] for p in committed), (
+            f"offsets committed past unstored events: {committed} > {before_outage}")
         assert stored_events(reader, agent) == 0
     finally:
         marker.unlink()
     wait_stored(reader, agent, 200, timeout_s=120)
     assert stored_events(reader, agent) == 200
+    wait_for(lambda: all(committed >= ends[p] for p, committed
+                         in offsets(broker.bootstrap)[1].items()), 30,
+             what="the stored events' offsets to be committed")
 
     def run_rows() -> list[object]:
         """Run rows are written once per batch, after its events: wait for them too."""

@@ -1,0 +1,91 @@
+"""The run-state changelog: what a restarted or new worker recovers its runs from.
+
+The processor sends state changes as record batches of its own rather than through
+faust's per-message buffer; these tests read the changelog topic back as faust's
+recovery does (last value per key) and check it holds the states the runs table shows.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import orjson
+from kafka import KafkaConsumer, TopicPartition
+
+from ingest.sdk import Emitter, RunContext
+from loopwatch.config import Settings
+from loopwatch.embedded.broker import EmbeddedBroker
+from processors.runs import RunState, seen_ids
+from tests.conftest import scalar, wait_for
+
+CHANGELOG_TOPIC = f"{Settings().consumer_group}-runs-changelog"
+
+
+def latest_changelog_values(bootstrap: str) -> dict[bytes, bytes | None]:
+    """The last value of every key on the changelog, read from the beginning."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    try:
+        partitions = [TopicPartition(CHANGELOG_TOPIC, p)
+                      for p in consumer.partitions_for_topic(CHANGELOG_TOPIC) or ()]
+        consumer.assign(partitions)
+        consumer.seek_to_beginning(*partitions)
+        ends = consumer.end_offsets(partitions)
+        latest: dict[bytes, bytes | None] = {}
+        while any(consumer.position(tp) < end for tp, end in ends.items()):
+            for records in consumer.poll(timeout_ms=1000).values():
+                for record in records:
+                    latest[record.key] = record.value
+        return latest
+    finally:
+        consumer.close()
+
+
+def recovered_state(bootstrap: str, run_id: str) -> RunState | None:
+    value = latest_changelog_values(bootstrap).get(run_id.encode())
+    return None if value is None else RunState.from_dict(orjson.loads(value))
+
+
+def seen(state: RunState) -> set[uuid.UUID]:
+    return {uuid.UUID(bytes=event_id) for event_id in seen_ids(state)}
+
+
+def stored_ids(reader, run_id: str) -> set[uuid.UUID]:
+    rows = reader.query("SELECT toString(event_id) FROM events FINAL WHERE run_id = {r:String}",
+                        {"r": run_id}).rows
+    return {uuid.UUID(row[0]) for row in rows}
+
+
+def test_changelog_holds_the_latest_state_of_open_and_closed_runs(
+        broker: EmbeddedBroker, pipeline, reader, emitter: Emitter, agent: str):
+    """Guarantee: once a batch is stored, the changelog holds each touched run's state
+    as of that batch (raw orjson value, key = run_id), exactly as faust would recover it."""
+    with emitter.run(agent=agent, model="gpt-4o") as closed:
+        closed.step()
+        closed.llm_call(input_tokens=120, output_tokens=7)
+        closed.step()
+    still_open = RunContext(emitter, f"{agent}-open", {"agent": agent, "model": "gpt-4o"})
+    still_open.start()
+    still_open.step()
+    still_open.tool_call(tool="search")
+    assert emitter.flush(30)
+    wait_for(lambda: scalar(reader, "SELECT count() FROM runs FINAL WHERE agent = {a:String}",
+                            a=agent) == 2, 60, what="both runs stored")
+
+    ended = wait_for(lambda: recovered_state(broker.bootstrap, closed.run_id), 30,
+                     what="the closed run on the changelog")
+    assert (ended.agent, ended.steps, ended.llm_calls, ended.input_tokens,
+            ended.output_tokens) == (agent, 2, 1, 120, 7)
+    assert ended.end_ms is not None and ended.terminal_reason == "model_done"
+    assert seen(ended) == stored_ids(reader, closed.run_id)
+    assert len(seen(ended)) == 5  # start, step, llm call, step, end
+
+    opened = wait_for(lambda: recovered_state(broker.bootstrap, still_open.run_id), 30,
+                      what="the open run on the changelog")
+    assert (opened.agent, opened.steps, opened.tool_calls, opened.end_ms) == (agent, 1, 1, None)
+    assert seen(opened) == stored_ids(reader, still_open.run_id)
+    assert len(seen(opened)) == 3
+
+    still_open.step()
+    assert emitter.flush(30)
+    wait_for(lambda: (state := recovered_state(broker.bootstrap, still_open.run_id))
+             and state.steps == 2, 60, what="the open run's next step on the changelog")

@@ -155,11 +155,16 @@ class TableRunStore:
         """Send the waiting changes to the changelog and wait until the broker has
         them. Changes made meanwhile wait for the next call; calls send one after the
         other, so a run's records reach the changelog in the order they were made."""
-        if not self._changes:
-            return
+        changes = self.take_changes()
+        if changes:
+            async with self._sending:
+                await self._send(changes)
+
+    def take_changes(self) -> dict[bytes, tuple[int, bytes | None]]:
+        """The changes waiting to be sent, key -> (partition, value or None for a
+        deletion); they are no longer waiting."""
         changes, self._changes = self._changes, {}
-        async with self._sending:
-            await self._send(changes)
+        return changes
 
     async def _send(self, changes: dict[bytes, tuple[int, bytes | None]]) -> None:
         producer = self._app.producer._ensure_producer()  # type: ignore[attr-defined]

@@ -32,6 +32,9 @@ _BOUNDS = {Ge: "ge", Gt: "gt", Le: "le", MinLen: "min_length", MaxLen: "max_leng
 #: a 7th fractional digit ending a time string (a float's digits end at ``,`` or ``}``;
 #: a string that merely looks like it only costs that message the mirror)
 _SUB_MICROSECOND = re.compile(rb'\.\d{7,}[Zz+"-]')
+#: a message with no "." followed by 7 digits cannot match ``_SUB_MICROSECOND``: found
+#: with every digit read as 0, 0.2 µs per bench event where the regex took 1.4
+_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
 
 
 def _bounded(annotation: Any, metadata: list[Any], where: str) -> Any:
@@ -76,9 +79,13 @@ def mirror(model: type[EventBase]) -> type[msgspec.Struct]:
 def _builder(model: type[EventBase]) -> Callable[[msgspec.Struct], EventBase]:
     """Struct -> model instance, set up as pydantic's own ``model_construct`` does
     (``__dict__``, fields set, extras, private), without validating again. Every field
-    counts as set: the struct cannot tell a given default from a filled-in one."""
+    counts as set: the struct cannot tell a given default from a filled-in one.
+
+    The instances of a model share one fields-set: the models are frozen, so pydantic
+    never adds to it, and ``model_copy`` copies it before an update. A copy per event
+    cost 1.2 µs, as much as building its ``__dict__``."""
     tag = model.model_fields["event_type"].default
-    names = frozenset(model.model_fields)
+    every_field = set(model.model_fields)
     new = object.__new__
     assign = object.__setattr__
     asdict = msgspec.structs.asdict
@@ -94,7 +101,7 @@ def _builder(model: type[EventBase]) -> Callable[[msgspec.Struct], EventBase]:
             raise ValueError("ts out of range")
         event = new(model)
         assign(event, "__dict__", fields)
-        assign(event, "__pydantic_fields_set__", set(names))
+        assign(event, "__pydantic_fields_set__", every_field)
         assign(event, "__pydantic_extra__", {})
         assign(event, "__pydantic_private__", None)
         return event
@@ -127,7 +134,7 @@ def decode_events(value: bytes, envelope_version: int) -> list[EventBase] | None
     ('Step', 1, '2026-01-02T02:04:05+00:00')
     >>> decode_events(b'{"event_type":"step","run_id":"r","agent":"a","step":1,"x":2}', 1)
     """
-    if _SUB_MICROSECOND.search(value):
+    if b".0000000" in value.translate(_DIGITS_AS_ZERO) and _SUB_MICROSECOND.search(value):
         return None
     try:
         if b'"envelope_version"' in value:

@@ -190,3 +190,23 @@ def test_mirrored_events_behave_as_validated_ones():
     else:
         raise AssertionError("a mirrored event must be frozen like a validated one")
     assert uuid.UUID(str(event.event_id)) == event.event_id
+
+
+def test_mirrored_events_of_a_model_share_a_fields_set_nothing_changes():
+    """The builder hands every instance of a model one fields-set (a copy per event cost
+    as much as the event's ``__dict__``): copies, dumps and refused assignments must
+    leave it as it was."""
+    value = (b'{"envelope_version":1,"events":[{"event_type":"step","run_id":"r","agent":"a",'
+             b'"step":1},{"event_type":"step","run_id":"s","agent":"a","step":2}]}')
+    first, second = decode_events(value, 1) or []
+    every_field = set(Step.model_fields)
+    copied = first.model_copy(update={"step": 7})
+    first.model_copy(deep=True)
+    first.model_dump(exclude_unset=True)
+    try:
+        second.step = 5  # type: ignore[misc]
+    except Exception:
+        pass
+    assert copied.step == 7 and copied.model_fields_set is not first.model_fields_set
+    assert first.model_fields_set == second.model_fields_set == every_field
+    assert (first.step, second.step) == (1, 2)

@@ -23,7 +23,8 @@ to the baseline measured in the same run; the machine is shared):
   would leave the whole first batch's processing outside the window. ``workers["2"]``: a second
   ``up`` (own consumer group, fresh store, same topic) plus a ``loopwatch worker`` in its
   group; a rebalance while the two join can fall inside the window. The processor's
-  log is summarised on stderr (timer overruns, full changelog producer buffer).
+  log is summarised on stderr (timer overruns, a full faust producer buffer: dead
+  letters still go through it, the state changelog no longer does).
 * ``processor_peak_rss_mb``: VmHWM of the ``up`` child (it also hosts chdb, the store
   service and the detectors).
 * ``memory_per_open_run_bytes``: the Python heap an open run keeps in the processor

@@ -135,13 +135,11 @@ class TableRunStore:
     def put(self, state: RunState) -> None:
         key = state.run_id.encode()
         self._table.data[key] = state
-        self._changes.pop(key, None)
         self._changes[key] = (state.partition, orjson.dumps(state.to_dict()))
 
     def delete(self, state: RunState) -> None:
         key = state.run_id.encode()
         self._table.data.pop(key, None)
-        self._changes.pop(key, None)
         self._changes[key] = (state.partition, None)
 
     def states(self) -> Iterator[RunState]:
@@ -176,11 +174,10 @@ class TableRunStore:
         for partition, records in by_partition.items():
             batch = producer.create_batch()
             for key, value in records:
-                if batch.append(key=key, value=value, timestamp=None) is None:
+                while batch.append(key=key, value=value, timestamp=None) is None:  # full
                     delivered.append(await producer.send_batch(batch, topic,
                                                                partition=partition))
-                    batch = producer.create_batch()
-                    batch.append(key=key, value=value, timestamp=None)
+                    batch = producer.create_batch()  # takes any first record
             delivered.append(await producer.send_batch(batch, topic, partition=partition))
         await asyncio.gather(*delivered)
 
@@ -277,8 +274,7 @@ class Processor:
                 for e in events
             ]
             batch = asyncio.ensure_future(self._process_batch(messages))
-            acked = asyncio.ensure_future(
-                self._ack_when_stored(stream, events, messages, batch, acked))
+            acked = asyncio.ensure_future(self._ack_when_stored(stream, events, batch, acked))
             try:
                 await asyncio.shield(batch)
             except asyncio.CancelledError:
@@ -286,7 +282,6 @@ class Processor:
                 raise
 
     async def _ack_when_stored(self, stream: Any, events: list[Any],
-                               messages: list[RawMessage],
                                batch: asyncio.Future[list[asyncio.Future[None]]],
                                previous: asyncio.Future[None] | None) -> None:
         """Drop the extra reference of a batch's messages once its writes (and the
@@ -298,7 +293,7 @@ class Processor:
             await previous
         for event in events:
             await stream.ack(event)
-        for message in messages:
+            message = event.message
             self.positions[message.partition] = max(
                 self.positions.get(message.partition, -1), message.offset
             )

@@ -15,11 +15,11 @@ from typing import Any
 
 import orjson
 import pytest
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaProducer
 
 from ingest.capture import Blob, PartRef, assemble_part, blob_hash, build_capture_message, part_hash
-from ingest.sdk import Emitter, partition_for
-from tests.conftest import wait_for
+from ingest.sdk import Emitter
+from tests.conftest import read_to_end, wait_for
 
 SYSTEM = {"role": "system", "content": "You are the refund bot. Be brief. " * 40}
 CAPTURES = "loopwatch.captures"
@@ -249,18 +249,7 @@ def test_capture_off_sends_nothing(broker, pipeline, reader, agent, tmp_path):
         assert emitter.flush(30)
     assert (emitter.stats.captures, emitter.stats.capture_bytes) == (0, 0)
     assert event.prompt_hash is not None and event.response_bytes == 5  # hashes still kept
-    consumer = KafkaConsumer(bootstrap_servers=broker.bootstrap)
-    consumer.topics()  # a new client knows no partitions before its first metadata request
-    partitions = consumer.partitions_for_topic(CAPTURES)
-    mine = TopicPartition(CAPTURES, partition_for(run.run_id, len(partitions)))
-    consumer.assign([mine])
-    consumer.seek_to_beginning(mine)
-    end = consumer.end_offsets([mine])[mine]
-    keys = []
-    while consumer.position(mine) < end:
-        for records in consumer.poll(timeout_ms=1000).values():
-            keys.extend(record.key for record in records)
-    consumer.close()
+    keys = [record.key for record in read_to_end(broker.bootstrap, CAPTURES)]
     assert run.run_id.encode() not in keys
 
 

@@ -10,34 +10,19 @@ from __future__ import annotations
 import uuid
 
 import orjson
-from kafka import KafkaConsumer, TopicPartition
 
 from ingest.sdk import Emitter, RunContext
 from loopwatch.config import Settings
 from loopwatch.embedded.broker import EmbeddedBroker
 from processors.runs import RunState, seen_ids
-from tests.conftest import scalar, wait_for
+from tests.conftest import read_to_end, scalar, wait_for
 
 CHANGELOG_TOPIC = f"{Settings().consumer_group}-runs-changelog"
 
 
 def latest_changelog_values(bootstrap: str) -> dict[bytes, bytes | None]:
     """The last value of every key on the changelog, read from the beginning."""
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
-    try:
-        partitions = [TopicPartition(CHANGELOG_TOPIC, p)
-                      for p in consumer.partitions_for_topic(CHANGELOG_TOPIC) or ()]
-        consumer.assign(partitions)
-        consumer.seek_to_beginning(*partitions)
-        ends = consumer.end_offsets(partitions)
-        latest: dict[bytes, bytes | None] = {}
-        while any(consumer.position(tp) < end for tp, end in ends.items()):
-            for records in consumer.poll(timeout_ms=1000).values():
-                for record in records:
-                    latest[record.key] = record.value
-        return latest
-    finally:
-        consumer.close()
+    return {record.key: record.value for record in read_to_end(bootstrap, CHANGELOG_TOPIC)}
 
 
 def recovered_state(bootstrap: str, run_id: str) -> RunState | None:

@@ -20,7 +20,7 @@ import re
 import types
 from collections.abc import Callable
 from datetime import UTC
-from typing import Annotated, Any, Union, get_args, get_origin
+from typing import Annotated, Any, NamedTuple, Union, get_args, get_origin
 
 import msgspec
 from annotated_types import Ge, Gt, Le, MaxLen, MinLen
@@ -124,6 +124,17 @@ _ENVELOPE = msgspec.json.Decoder(_Envelope)
 _EVENT = msgspec.json.Decoder(_ANY_EVENT)
 
 
+_ENCODER = msgspec.json.Encoder()
+
+
+class Mirrored(NamedTuple):
+    """A message's events, and the same events as one JSON array: every field, defaults
+    written out, in the models' field order (what the ``events_in`` table reads)."""
+
+    events: list[EventBase]
+    as_json: bytes
+
+
 def decode_events(value: bytes, envelope_version: int) -> list[EventBase] | None:
     """Every event of a message (an envelope or one event) as model instances, or None
     if anything in it is not plainly valid (the caller then asks pydantic).
@@ -133,6 +144,19 @@ def decode_events(value: bytes, envelope_version: int) -> list[EventBase] | None
     >>> type(events[0]).__name__, events[0].step, events[0].ts.isoformat()
     ('Step', 1, '2026-01-02T02:04:05+00:00')
     >>> decode_events(b'{"event_type":"step","run_id":"r","agent":"a","step":1,"x":2}', 1)
+    """
+    mirrored = mirror_message(value, envelope_version)
+    return None if mirrored is None else mirrored.events
+
+
+def mirror_message(value: bytes, envelope_version: int) -> Mirrored | None:
+    """:func:`decode_events`, with the events re-encoded from their structs (~0.3 µs an
+    event: the processors hand ClickHouse this array instead of building rows).
+
+    >>> mirror_message(b'{"event_type":"step","run_id":"r","agent":"a","step":1,'
+    ...     b'"ts":"2026-01-02T03:04:05Z","event_id":"0190d5a4-0000-7000-8000-000000000000"}',
+    ...     1).as_json[:64]
+    b'[{"event_type":"step","event_id":"0190d5a4-0000-7000-8000-000000'
     """
     if b".0000000" in value.translate(_DIGITS_AS_ZERO) and _SUB_MICROSECOND.search(value):
         return None
@@ -149,4 +173,4 @@ def decode_events(value: bytes, envelope_version: int) -> list[EventBase] | None
         return None
     if not events or any(event.schema_version != SCHEMA_VERSION for event in events):
         return None
-    return events
+    return Mirrored(events, _ENCODER.encode(structs))

@@ -36,7 +36,7 @@ from ingest.events import (
     check_schema_version,
     parse_event,
 )
-from ingest.structs import decode_events
+from ingest.structs import mirror_message
 
 ENVELOPE_VERSION = 1
 #: the deepest nesting orjson writes back
@@ -54,8 +54,13 @@ class DeadLetter:
 
 @dataclass(frozen=True, slots=True)
 class Decoded:
+    """A message's valid events and dead letters. ``events_json``: the events as one
+    JSON array (:class:`ingest.structs.Mirrored`) when the msgspec mirror decoded the
+    whole message, else None."""
+
     events: list[EventBase]
     dead: list[DeadLetter]
+    events_json: bytes | None = None
 
 
 class _Envelope(msgspec.Struct, forbid_unknown_fields=True):
@@ -128,9 +133,9 @@ def decode_message(value: bytes | None, max_bytes: int) -> Decoded:
         return Decoded(
             [], [DeadLetter(f"oversized message: {len(value)} bytes > {max_bytes}", value)]
         )
-    mirrored = decode_events(value, ENVELOPE_VERSION)
+    mirrored = mirror_message(value, ENVELOPE_VERSION)
     if mirrored is not None:
-        return Decoded(mirrored, [])
+        return Decoded(mirrored.events, [], mirrored.as_json)
     fast = _decode_in_one_call(value)
     if fast is not None:
         return fast

@@ -188,8 +188,9 @@ def _insert_action(connect_client: Callable[[], Any]) -> Callable[[bytes], dict[
     return insert
 
 
-INSERTABLE = frozenset({"events", "llm_calls", "tool_calls", "runs", "labels", "annotations",
-                        "dead_letters", "capture_staging", "capture_staging_blobs"})
+INSERTABLE = frozenset({"events", "events_in", "llm_calls", "tool_calls", "runs", "labels",
+                        "annotations", "dead_letters", "capture_staging",
+                        "capture_staging_blobs"})
 
 
 def run_worker(settings: Settings, loglevel: str = "warning",

@@ -31,6 +31,7 @@ import orjson
 from loopwatch.config import Settings
 from processors.capture_app import register_captures
 from processors.pipeline import Pipeline, RawMessage, Work
+from processors.rows import EVENT_TABLES
 from processors.runs import RunState
 from processors.sink import RetryingSink, RowBatch, Sink
 
@@ -43,9 +44,9 @@ log = logging.getLogger(__name__)
 #: doubling the rows a chunk holds in memory (one 500k-event run each, so +-5 %).
 CHUNK_BYTES = 8_000_000
 CHUNK_MESSAGE_BYTES = 400
-#: the table written with every chunk; the others (a few rows per run) wait for the
-#: batch's last write, or until ``DEFERRED_MAX_ROWS`` of them wait
-STREAMED_TABLE = "events"
+#: the tables written with every chunk (the raw events); the others (a few rows per
+#: run) wait for the batch's last write, or until ``DEFERRED_MAX_ROWS`` of them wait
+STREAMED_TABLES = frozenset(EVENT_TABLES)
 DEFERRED_MAX_ROWS = 40_000
 #: writes queued for the sink thread at a time (a chunk's rows, or a batch's last
 #: write); more waiting writes hold more rows in memory and gained nothing measurable
@@ -303,7 +304,7 @@ class Processor:
                              ) -> list[asyncio.Future[None]]:
         """Fold a batch and queue its writes; returns their futures.
 
-        Each chunk's ``events`` rows are written while the next chunk folds; the
+        Each chunk's raw events are written while the next chunk folds; the
         other tables' rows wait for the batch's last write (one insert per table per
         batch: writing five tables per chunk made chdb the bottleneck, at ~10 ms an
         insert). The last chunk, the waiting rows and the touched runs go in one write,
@@ -316,7 +317,7 @@ class Processor:
         writes: list[asyncio.Future[None]] = []
         for chunk in chunks[:-1]:
             work = self.pipeline.fold(chunk, touched)
-            deferred.extend(work.rows.take_all_but(STREAMED_TABLE))
+            deferred.extend(work.rows.take_all_but(STREAMED_TABLES))
             if len(touched) >= self.settings.settle_max_runs \
                     or len(deferred) >= DEFERRED_MAX_ROWS:
                 work.rows.extend(self.pipeline.settle(touched).rows)

@@ -27,7 +27,7 @@ from datetime import UTC, datetime
 from typing import Protocol
 
 from ingest.events import Annotation, EventBase, Label, LlmCall, RunStart, ToolCall
-from ingest.wire import DeadLetter, decode_message
+from ingest.wire import DeadLetter, Decoded, decode_message
 from loopwatch.config import Settings
 from processors import rows
 from processors.pricing import PriceTable, cost_mismatch
@@ -147,9 +147,23 @@ class Pipeline:
                 self._dead_letter(work, message, index, letter, now)
             if decoded.events:
                 self.last_event_wall = self.clock()
+            self._store_events(work, message, decoded, now)
             for event in decoded.events:
                 self._handle_event(work, touched, message, event, now)
         return work
+
+    @staticmethod
+    def _store_events(work: Work, message: RawMessage, decoded: Decoded,
+                      now: datetime) -> None:
+        """The message's raw events: as it came from the mirror, for ClickHouse to
+        split into ``events`` rows (every event, duplicates too: the table dedups)."""
+        if decoded.events_json is not None:
+            work.rows.add(rows.EVENTS_IN_TABLE, rows.events_in_row(
+                message.partition, message.offset, now, decoded.events_json))
+            return
+        for event in decoded.events:
+            work.rows.add("events", rows.event_row(event, message.partition,
+                                                   message.offset, now))
 
     def settle(self, touched: dict[str, RunState]) -> Work:
         """Store the folded states (changelog) and build their ``runs`` rows."""
@@ -284,8 +298,6 @@ class Pipeline:
             self.max_event_ms = max(self.max_event_ms, event_ms)
         else:
             self.counters.future_events += 1
-        work.rows.add("events",
-                      rows.event_row(event, message.partition, message.offset, now))
         if isinstance(event, Annotation):
             work.rows.add("annotations", rows.annotation_row(event))
             return

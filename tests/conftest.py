@@ -28,6 +28,8 @@ from loopwatch.store.clickhouse import QueryResult, migrate
 from loopwatch.store.reader import DirectReader, ServiceReader
 from loopwatch.store.service import dumps
 from loopwatch.upprocess import UpProcess
+from processors.rows import EVENTS_IN_TABLE
+from processors.sink import RowBatch, encode_rows
 from tests.receivers import Receiver
 
 T = TypeVar("T")
@@ -189,6 +191,15 @@ def scalar(reader: ServiceReader, sql: str, **parameters: Any) -> Any:
 def stored_events(reader: ServiceReader, agent: str) -> int:
     return int(scalar(reader, "SELECT count() FROM events FINAL WHERE agent = {a:String}",
                       a=agent))
+
+
+def raw_events(rows: RowBatch) -> list[dict[str, Any]]:
+    """Each raw event a batch's rows would store in ``events``: the Python-built rows,
+    and the events inside ``events_in`` rows (which ClickHouse splits; their stored form
+    is checked against the Python rows by tests/test_events_in.py)."""
+    split = orjson.loads(encode_rows(rows.tables.get(EVENTS_IN_TABLE, [])))
+    return [*rows.tables.get("events", []),
+            *(event for row in split for event in row["event_objects"])]
 
 
 def read_to_end(bootstrap: str, topic: str) -> list[ConsumerRecord]:

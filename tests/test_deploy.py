@@ -17,6 +17,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import yaml
 from clickhouse_connect.driver.client import Client
@@ -432,7 +433,8 @@ def test_cluster_ddl_is_deterministic_and_committed():
 
 def test_cluster_ddl_replicates_and_distributes_every_table():
     ddl = render_cluster_ddl("prod", "lw")
-    tables = [obj for obj in schema_objects() if isinstance(obj, Table)]
+    tables = [obj for obj in schema_objects()
+              if isinstance(obj, Table) and obj.engine != "Null"]
     views = [obj for obj in schema_objects() if isinstance(obj, View)]
     assert len(tables) >= 10 and len(views) >= 4
     assert all(" ON CLUSTER prod" in statement for statement in ddl)
@@ -459,6 +461,13 @@ def test_cluster_ddl_replicates_and_distributes_every_table():
         assert (f"ALTER TABLE lw.{name}_local ON CLUSTER prod MODIFY TTL "
                 f"toDateTime({rule.column}) + INTERVAL {rule.days} DAY") in ddl
     assert RETENTION["events"].days == 30 and RETENTION["llm_calls"].days == 180
+    # the insert-only entry point: a Null table on every node, split into the sharded table
+    entry = [s for s in ddl if "lw.events_in" in s and s.startswith("CREATE TABLE")]
+    assert len(entry) == 1 and entry[0].endswith("ENGINE = Null"), entry
+    (split,) = [s for s in ddl if s.startswith("CREATE MATERIALIZED VIEW")]
+    assert split.startswith("CREATE MATERIALIZED VIEW IF NOT EXISTS lw.events_in_split "
+                            "ON CLUSTER prod TO lw.events AS\n")
+    assert re.findall(r"\bFROM\s+(\S+)", split) == ["lw.events_in"]
 
 
 def test_cluster_ddl_parses_with_clickhouse(local_store: tuple[Settings, Client]):
@@ -505,8 +514,14 @@ def test_single_node_form_runs_on_chdb(local_store: tuple[Settings, Client]):
             f"SELECT outcome, version FROM {database}.runs FINAL WHERE run_id = %(r)s",
             parameters={"r": run_id}).result_rows
         assert final == [("success", 2)]
-        events = client.query(f"SELECT event_id FROM {database}.events FINAL").result_rows
-        assert events == [(event_id,)]
+        split_id = uuid.uuid4()
+        event = orjson.dumps({"event_type": "step", "event_id": str(split_id),
+                              "ts": "2026-11-30T09:00:00Z", "run_id": run_id,
+                              "agent": "deploy-check", "step": 4}).decode()
+        client.command(f"INSERT INTO {database}.events_in VALUES (0, 7, now64(3), ['{event}'])")
+        events = client.query(f"SELECT event_id, payload FROM {database}.events_local FINAL "
+                              "ORDER BY event_type").result_rows
+        assert events == [(event_id, "{}"), (split_id, '{"step":4}')]
         mix = client.query(
             f"SELECT outcome, runs FROM {database}.outcomes_1m WHERE agent = 'deploy-check'"
         ).result_rows

@@ -36,7 +36,8 @@ from loopwatch.reprocess import MemoryRunStore
 from loopwatch.store.cluster import render_cluster_ddl
 from processors.pipeline import Pipeline, RawMessage, Work
 from processors.runs import RunState
-from processors.sink import RowBatch
+from processors.sink import ClickHouseSink, RowBatch, encode_rows
+from tests.conftest import raw_events
 
 MAX_MESSAGE_BYTES = 20_000
 NOW_S = 1_800_000_000.0  # the pipeline's wall clock, fixed: 2027-01-15
@@ -238,7 +239,7 @@ class Harness:
         work = self.pipeline.process(batch)
         counters = self.pipeline.counters
         assert counters.messages - before[0] == len(values)
-        assert counters.events - before[1] == len(work.rows.tables["events"])
+        assert counters.events - before[1] == len(raw_events(work.rows))
         assert counters.dead_letters - before[2] == len(work.dead)
         assert len(work.rows.tables["dead_letters"]) == len(work.dead)
         for letter, row in zip(work.dead, work.rows.tables["dead_letters"], strict=True):
@@ -248,7 +249,7 @@ class Harness:
             decoded = decode_message(value, MAX_MESSAGE_BYTES)
             assert decoded.events or decoded.dead or value.lstrip().startswith(b"{")
         self.messages += len(values)
-        self.events += len(work.rows.tables["events"])
+        self.events += len(raw_events(work.rows))
         self.dead += len(work.dead)
         self.rows.extend(work.rows)
         self.rows.extend(self.pipeline.sweep().rows)
@@ -286,20 +287,19 @@ def hostile_db(local_store: tuple[Settings, Client]) -> Client:
 
 
 def insert_all(client: Client, batch: RowBatch) -> int:
-    """Insert like :class:`processors.sink.ClickHouseSink` does (one statement per table);
+    """Insert as :class:`processors.sink.ClickHouseSink` does (one JSON insert per table);
     a refused batch is narrowed to the first row ClickHouse refuses, for the message."""
+    sink = ClickHouseSink(client)
     total = 0
     for table, rows in batch.tables.items():
         if not rows:
             continue
-        columns = list(rows[0])
-        data = [[row[name] for name in columns] for row in rows]
         try:
-            client.insert(table, data, column_names=columns, database=HOSTILE_DB)
+            sink.write_json(f"{HOSTILE_DB}.{table}", encode_rows(rows))
         except Exception as exc:
-            for row in data:
+            for row in rows:
                 try:
-                    client.insert(table, [row], column_names=columns, database=HOSTILE_DB)
+                    sink.write_json(f"{HOSTILE_DB}.{table}", encode_rows([row]))
                 except Exception:
                     raise AssertionError(f"ClickHouse refused a {table} row: {row!r}") from exc
             raise
@@ -501,7 +501,7 @@ def test_future_clock_skew_does_not_move_event_time():
     harness.feed([json_bytes(events[-1])])
     assert_good_row(latest_run_row(harness.rows, good_id), good_id)
     assert harness.pipeline.counters.runs_revised == 0
-    assert [row["run_id"] for row in harness.rows.tables["events"]].count("skewed") == 1
+    assert [row["run_id"] for row in raw_events(harness.rows)].count("skewed") == 1
 
 
 def test_an_event_nested_300_deep_is_a_dead_letter_not_a_crash():
@@ -511,7 +511,7 @@ def test_an_event_nested_300_deep_is_a_dead_letter_not_a_crash():
         {"event_type": "annotation", "run_id": "r", "agent": "a", "kind": "deploy",
          "nested": nested(depth)})
         for depth in (60, 100, 300)])
-    assert len(work.rows.tables["events"]) == 1
+    assert len(raw_events(work.rows)) == 1
     assert [letter.reason for letter in work.dead] == [
         "schema violation: annotation: Value error, nested: nested deeper than 64 levels",
         "nested deeper than 254 levels"]

@@ -169,7 +169,7 @@ def test_rows_through_the_store_service_equal_direct_inserts_and_redelivery_is_h
         sink.write_batch(work.rows)  # redelivered after a crash before the commit
         assert _rows(client, "remote") == direct
 
-        bad = RowBatch({"events": work.rows.tables["events"], "system_users": [{"x": 1}]})
+        bad = RowBatch({"events_in": work.rows.tables["events_in"], "system_users": [{"x": 1}]})
         _delete(client, "remote")
         with pytest.raises(QueryError, match="does not take remote inserts"):
             sink.write_batch(bad)

@@ -12,6 +12,9 @@ For a sharded, replicated ClickHouse cluster this module rewrites them:
   stay on one shard, so ``FINAL`` deduplicates within a shard), else the table's
   dedup key (see :data:`SHARDING_KEYS`);
 - views are created ``ON CLUSTER`` over the Distributed tables;
+- a ``Null`` table (an insert-only entry point, e.g. ``events_in``) is created as it is
+  on every node, and the materialized view that splits its inserts writes ``TO`` the
+  Distributed table, so each node's inserts are sharded like any other rows;
 - a retention section sets TTLs on the ``_local`` tables (the defaults of
   :data:`loopwatch.store.retention.RETENTION`, which single-node ``migrate`` applies too).
 
@@ -58,6 +61,11 @@ _TABLE = re.compile(
     re.DOTALL,
 )
 _VIEW = re.compile(r"^CREATE OR REPLACE VIEW (?P<name>\w+) AS\s*(?P<query>.*)$", re.DOTALL)
+_MATERIALIZED_VIEW = re.compile(
+    r"^CREATE MATERIALIZED VIEW IF NOT EXISTS (?P<name>\w+) TO (?P<target>\w+) AS\s*"
+    r"(?P<query>.*)$", re.DOTALL)
+#: engines that store nothing: created as written on every node, never replicated
+_STORELESS = frozenset({"Null"})
 _ORDER_BY = re.compile(r"ORDER BY\s+(\((?P<many>[^)]*)\)|(?P<one>\w+))")
 _TTL = re.compile(r"^\s*TTL\b", re.MULTILINE)
 _SOURCE = re.compile(r"\b(FROM|JOIN)\s+(\w+)\b")
@@ -110,9 +118,16 @@ class View:
     query: str
 
 
-def schema_objects() -> list[Table | View]:
+@dataclass(frozen=True)
+class MaterializedView:
+    name: str
+    target: str
+    query: str
+
+
+def schema_objects() -> list[Table | View | MaterializedView]:
     """Every table and view of the migrations, in migration order."""
-    objects: list[Table | View] = []
+    objects: list[Table | View | MaterializedView] = []
     for migration, sql in migrations():
         for statement in statements(sql):
             if table := _TABLE.match(statement):
@@ -121,6 +136,9 @@ def schema_objects() -> list[Table | View]:
                                      table["tail"].strip()))
             elif view := _VIEW.match(statement):
                 objects.append(View(view["name"], view["query"].strip()))
+            elif feed := _MATERIALIZED_VIEW.match(statement):
+                objects.append(MaterializedView(feed["name"], feed["target"],
+                                                feed["query"].strip()))
             else:
                 raise ValueError(
                     f"{migration}: cluster.py cannot render this statement yet; teach it "
@@ -162,6 +180,14 @@ def _sections(cluster: str, database: str, single_node: bool
         if isinstance(obj, View):
             schema.append(f"CREATE OR REPLACE VIEW {database}.{obj.name}{on_cluster} AS\n"
                           f"{qualify(obj.query)}")
+            continue
+        if isinstance(obj, MaterializedView):
+            schema.append(f"CREATE MATERIALIZED VIEW IF NOT EXISTS {database}.{obj.name}"
+                          f"{on_cluster} TO {database}.{obj.target} AS\n{qualify(obj.query)}")
+            continue
+        if obj.engine in _STORELESS:
+            schema.append(f"CREATE TABLE IF NOT EXISTS {database}.{obj.name}{on_cluster}\n"
+                          f"(\n{obj.columns}\n)\nENGINE = {_plain(obj)}")
             continue
         local = f"{obj.name}{LOCAL_SUFFIX}"
         engine = _plain(obj) if single_node else _replicated(obj)

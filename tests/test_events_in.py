@@ -1,0 +1,110 @@
+"""Both routes into ``events`` store the same rows.
+
+A message the msgspec mirror decodes reaches ``events`` through ``events_in`` and its
+materialized view (migration 006); any other goes through Python-built rows
+(``processors.rows.event_row``). Here the same events take each route into the real
+chdb store and the stored rows are compared column by column; ``payload`` is compared
+as JSON, because ClickHouse writes a float that has no fraction as ``0`` where orjson
+writes ``0.0``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import orjson
+
+from bench.pipeline import generate_events
+from ingest.events import EventBase, LlmCall, RunStart, Step, ToolCall
+from ingest.wire import decode_message, encode_envelope
+from loopwatch.config import Settings
+from loopwatch.reprocess import MemoryRunStore
+from processors.pipeline import Pipeline, RawMessage
+from processors.rows import EVENTS_IN_TABLE, event_row
+from processors.sink import ClickHouseSink, RowBatch
+
+T0 = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
+PARTITION, OFFSET = 3, 41
+
+
+def _awkward_events(run_id: str) -> list[EventBase]:
+    """Values a JSON round trip through two encoders could disagree on."""
+    common: dict[str, Any] = {"run_id": run_id, "agent": 'agënt "q" \\ / \n\t☃ 🚀'}
+    return [
+        RunStart(**common, ts=T0, step_cap=7, trace_id="t" * 32, span_id="s1",
+                 parent_span_id="p0", deployment="d/1", worker_id="w-ü"),
+        Step(**common, ts=T0, step=0, duration_ms=0.1, action_type="</script>\u2028",
+             cost_usd=1e-7),
+        LlmCall(**common, ts=T0, step=1, input_tokens=10**12, output_tokens=0,
+                cost_usd=1e21, provider="ø", response_model=""),
+        ToolCall(**common, ts=T0 + timedelta(seconds=1), tool="search\u0000x",
+                 latency_ms=123456789.123, timeout_ms=8000.0, timed_out=True,
+                 late_completion_ms=9000.5, http_status=504, error_type="Timeout"),
+    ]
+
+
+def _envelope(events: list[EventBase]) -> bytes:
+    """The events as an SDK sends them, two with times as other clients write them: an
+    offset (the step, 14:30+05:30 = 09:00 UTC) and no zone at all (UTC), microseconds."""
+    dumped = orjson.loads(encode_envelope(events))
+    dumped["events"][1]["ts"] = "2026-11-30T14:30:00.250+05:30"
+    dumped["events"][2]["ts"] = "2026-11-30T09:00:00.123456"
+    return orjson.dumps(dumped)
+
+
+def _stored(client: Any, run_ids: list[str]) -> list[dict[str, Any]]:
+    rows = client.query("SELECT * FROM events FINAL WHERE run_id IN {ids:Array(String)} "
+                        "ORDER BY run_id, event_id", parameters={"ids": run_ids})
+    stored = list(rows.named_results())
+    for row in stored:
+        row["payload"] = orjson.loads(row["payload"])
+    return stored
+
+
+def _delete(client: Any, run_ids: list[str]) -> None:
+    quoted = ", ".join(f"'{run_id}'" for run_id in run_ids)
+    client.command(f"DELETE FROM events WHERE run_id IN ({quoted})")
+
+
+def test_events_in_stores_what_python_built_rows_store(local_store):
+    _, client = local_store
+    run_id = f"awkward-{uuid.uuid4().hex[:8]}"
+    fleet = generate_events(400, seed=11, end=T0)
+    events = _awkward_events(run_id) + fleet
+    value = _envelope(events)
+    decoded = decode_message(value, 10_000_000)
+    assert decoded.events_json is not None and not decoded.dead  # the mirror's route
+
+    pipeline = Pipeline(Settings(), MemoryRunStore(), clock=lambda: T0.timestamp())
+    work = pipeline.process([RawMessage("loopwatch.events", PARTITION, OFFSET, value)])
+    assert len(work.rows.tables[EVENTS_IN_TABLE]) == 1 and not work.rows.tables["events"]
+    now = work.rows.tables[EVENTS_IN_TABLE][0]["ingested_at"]
+    run_ids = sorted({event.run_id for event in events})
+    sink = ClickHouseSink(client)
+
+    sink.write_batch(RowBatch({EVENTS_IN_TABLE: work.rows.tables[EVENTS_IN_TABLE]}))
+    through_view = _stored(client, run_ids)
+    _delete(client, run_ids)
+    sink.write_batch(RowBatch({"events": [event_row(event, PARTITION, OFFSET, now)
+                                          for event in decoded.events]}))
+    through_python = _stored(client, run_ids)
+    _delete(client, run_ids)
+
+    assert len(through_view) == len(events) == len(through_python)
+    assert through_view == through_python
+    awkward = [row for row in through_view if row["run_id"] == run_id]
+    assert [row["event_type"] for row in awkward] == [
+        "run.start", "step", "llm.call", "tool.call"]
+    assert (awkward[0]["trace_id"], awkward[0]["span_id"], awkward[1]["trace_id"]) == (
+        "t" * 32, "s1", "")
+    assert [row["ts"].isoformat() for row in awkward] == [  # UTC, to the millisecond
+        "2026-11-30T09:00:00", "2026-11-30T09:00:00.250000", "2026-11-30T09:00:00.123000",
+        "2026-11-30T09:00:01"]
+    assert awkward[1]["payload"]["action_type"] == "</script>\u2028"
+    assert awkward[2]["payload"]["input_tokens"] == 10**12
+    assert awkward[3]["payload"]["tool"] == "search\u0000x"
+    assert "late_completion_ms" in awkward[3]["payload"] and "step" not in awkward[3]["payload"]
+    assert {row["kafka_partition"] for row in through_view} == {PARTITION}
+    assert {row["kafka_offset"] for row in through_view} == {OFFSET}

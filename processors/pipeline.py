@@ -155,15 +155,15 @@ class Pipeline:
     @staticmethod
     def _store_events(work: Work, message: RawMessage, decoded: Decoded,
                       now: datetime) -> None:
-        """The message's raw events: as it came from the mirror, for ClickHouse to
-        split into ``events`` rows (every event, duplicates too: the table dedups)."""
+        """The message's raw events, for ClickHouse to split into ``events`` rows (every
+        event, duplicates too: the table dedups)."""
         if decoded.events_json is not None:
             work.rows.add(rows.EVENTS_IN_TABLE, rows.events_in_row(
                 message.partition, message.offset, now, decoded.events_json))
-            return
-        for event in decoded.events:
-            work.rows.add("events", rows.event_row(event, message.partition,
-                                                   message.offset, now))
+        elif decoded.events:
+            events_json, extras = rows.validated_events_json(decoded.events)
+            work.rows.add(rows.EVENTS_IN_TABLE, rows.events_in_row(
+                message.partition, message.offset, now, events_json, extras))
 
     def settle(self, touched: dict[str, RunState]) -> Work:
         """Store the folded states (changelog) and build their ``runs`` rows."""

@@ -7,7 +7,7 @@ from typing import Any
 
 import orjson
 
-from ingest.events import EVENT_TYPES, Annotation, EventBase, Label, LlmCall, ToolCall
+from ingest.events import Annotation, EventBase, Label, LlmCall, ToolCall
 from processors.pricing import PricedCall
 from processors.runs import RunState
 
@@ -20,57 +20,12 @@ def utc_ms(epoch_ms: int | None) -> datetime | None:
 
 
 #: event fields the ``events`` table keeps as columns, and so leaves out of ``payload``
-#: (stored once, not twice: ``payload`` was half of the table's compressed bytes)
+#: (stored once, not twice: ``payload`` was half of the table's compressed bytes); the
+#: view of migration 006 lists the same names
 EVENT_COLUMNS = ("event_id", "event_type", "schema_version", "ts", "run_id", "trace_id",
                  "span_id", "parent_span_id", "agent", *ENVELOPE_COLUMNS)
-_IN_COLUMNS = frozenset(EVENT_COLUMNS)
 #: optional fields whose absence the columns store as ''
 _OPTIONAL_IDS = ("trace_id", "span_id", "parent_span_id")
-
-
-#: per event type, the fields ``payload`` holds: all but the columns (and event_type)
-_PAYLOAD_FIELDS: dict[type[EventBase], tuple[str, ...]] = {
-    kind: tuple(name for name in kind.model_fields if name not in _IN_COLUMNS)
-    for kind in EVENT_TYPES
-}
-
-
-def payload_json(event: EventBase) -> bytes:
-    """The event less its column fields, as stored JSON: every field that has a value
-    (defaults written out: the timeline panel reads e.g. ``step_type``), then extras.
-
-    >>> from ingest.events import Step
-    >>> kept = orjson.loads(payload_json(Step(run_id="r", agent="a", step=3, surprise=[1])))
-    >>> kept["step"], kept["step_type"], kept["surprise"], "tool" in kept, "run_id" in kept
-    (3, 'act', [1], False, False)
-    """
-    fields = event.__dict__
-    kept = {name: value for name in _PAYLOAD_FIELDS[type(event)]
-            if (value := fields[name]) is not None}
-    extra = event.__pydantic_extra__
-    if extra:
-        kept.update(extra)
-    return orjson.dumps(kept)
-
-
-def event_row(event: EventBase, partition: int, offset: int, now: datetime) -> dict[str, Any]:
-    """The ``events`` row: the column fields read straight from the instance's field
-    dict (the same for validated and mirrored events), the rest as the payload, the
-    extras once more as a map, and where in Kafka the event came from."""
-    fields = event.__dict__
-    extra = event.__pydantic_extra__
-    row = {name: fields[name] for name in EVENT_COLUMNS}
-    for name in _OPTIONAL_IDS:
-        if row[name] is None:
-            row[name] = ""
-    row["payload"] = payload_json(event).decode()
-    row["extras"] = ({key: orjson.dumps(value).decode() for key, value in extra.items()}
-                     if extra else {})
-    row["kafka_partition"] = partition
-    row["kafka_offset"] = offset
-    row["ingested_at"] = now
-    return row
-
 
 #: the table ClickHouse splits into ``events`` rows (migration 006): one row per message
 EVENTS_IN_TABLE = "events_in"
@@ -78,26 +33,57 @@ EVENTS_IN_TABLE = "events_in"
 EVENT_TABLES = ("events", EVENTS_IN_TABLE)
 
 
-def events_in_row(partition: int, offset: int, now: datetime, events_json: bytes
-                  ) -> dict[str, Any]:
-    """One message's events for ``events_in``, whose materialized view writes the same
-    ``events`` rows :func:`event_row` builds. Python's share is the array the decoder
-    already encoded: building and encoding the rows here took ~3 µs an event of the
-    processor's single interpreter thread, the view takes ~2.6 µs of ClickHouse's own
-    threads."""
-    return {"kafka_partition": partition, "kafka_offset": offset, "ingested_at": now,
-            "event_objects": orjson.Fragment(events_json)}
+def events_in_row(partition: int, offset: int, now: datetime, events_json: bytes,
+                  extras: list[dict[str, str]] | None = None) -> dict[str, Any]:
+    """One message's events for ``events_in``, whose materialized view writes their
+    ``events`` rows: the column fields as columns, every other non-null field (defaults
+    written out: the timeline panel reads e.g. ``step_type``) and the extras as the
+    ``payload`` object, the extras once more as a map, and where in Kafka they came from.
+
+    ``events_json`` is the events as one JSON array with every field in the models'
+    order and no extras (the mirror's :class:`ingest.structs.Mirrored`, or
+    :func:`validated_events_json`); ``extras``, if any, one map per event of extra
+    field -> its JSON. Python's share is that array, which the decoder already
+    encoded: building and encoding the rows here took ~3 µs an event of the processor's
+    single interpreter thread, the view takes ~2.6 µs of ClickHouse's own threads.
+    """
+    row = {"kafka_partition": partition, "kafka_offset": offset, "ingested_at": now,
+           "event_objects": orjson.Fragment(events_json)}
+    if extras is not None:
+        row["event_extras"] = extras
+    return row
+
+
+def validated_events_json(events: list[EventBase]) -> tuple[bytes, list[dict[str, str]]]:
+    """Events pydantic validated (the mirror refused their message, e.g. for extras) in
+    the form :func:`events_in_row` takes.
+
+    >>> from ingest.events import Step
+    >>> step = Step(run_id="r", agent="a", step=3, surprise=[1], ts="2026-01-02T03:04:05Z")
+    >>> events_json, extras = validated_events_json([step])
+    >>> orjson.loads(events_json)[0]["ts"], "surprise" in orjson.loads(events_json)[0], extras
+    ('2026-01-02T03:04:05Z', False, [{'surprise': '[1]'}])
+    """
+    dumped = []
+    extras = []
+    for event in events:
+        extra = event.__pydantic_extra__ or {}
+        dumped.append(event.model_dump(mode="json", exclude=set(extra)))
+        extras.append({key: orjson.dumps(value).decode() for key, value in extra.items()})
+    return orjson.dumps(dumped), extras
 
 
 def event_json(columns: dict[str, Any], payload: str | bytes) -> bytes:
     """The whole event again, from an ``events`` row's :data:`EVENT_COLUMNS` and its
-    ``payload`` (the inverse of :func:`event_row`; rows written before the payload
+    ``payload`` (the inverse of ``events_in``'s view; rows written before the payload
     left the column fields out hold them twice, with the same values).
+    ``tests/test_fast_paths.py`` rebuilds stored events with it.
 
     >>> from ingest.events import Step
     >>> step = Step(run_id="r", agent="a", step=2, ts="2026-01-02T03:04:05.678Z")
-    >>> row = event_row(step, 0, 0, step.ts)
-    >>> Step.model_validate_json(event_json(row, row["payload"])) == step
+    >>> row = dict(step.model_dump(include=set(EVENT_COLUMNS)), trace_id="", span_id="",
+    ...            parent_span_id="")
+    >>> Step.model_validate_json(event_json(row, '{"step":2,"step_type":"act"}')) == step
     True
     """
     fields = orjson.loads(payload)

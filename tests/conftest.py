@@ -194,12 +194,10 @@ def stored_events(reader: ServiceReader, agent: str) -> int:
 
 
 def raw_events(rows: RowBatch) -> list[dict[str, Any]]:
-    """Each raw event a batch's rows would store in ``events``: the Python-built rows,
-    and the events inside ``events_in`` rows (which ClickHouse splits; their stored form
-    is checked against the Python rows by tests/test_events_in.py)."""
+    """Each raw event a batch's rows would store in ``events`` (as the object inside its
+    ``events_in`` row, which ClickHouse splits: tests/test_events_in.py checks how)."""
     split = orjson.loads(encode_rows(rows.tables.get(EVENTS_IN_TABLE, [])))
-    return [*rows.tables.get("events", []),
-            *(event for row in split for event in row["event_objects"])]
+    return [event for row in split for event in row["event_objects"]]
 
 
 def read_to_end(bootstrap: str, topic: str) -> list[ConsumerRecord]:

@@ -518,7 +518,8 @@ def test_single_node_form_runs_on_chdb(local_store: tuple[Settings, Client]):
         event = orjson.dumps({"event_type": "step", "event_id": str(split_id),
                               "ts": "2026-11-30T09:00:00Z", "run_id": run_id,
                               "agent": "deploy-check", "step": 4}).decode()
-        client.command(f"INSERT INTO {database}.events_in VALUES (0, 7, now64(3), ['{event}'])")
+        client.command(f"INSERT INTO {database}.events_in (kafka_partition, kafka_offset, "
+                       f"ingested_at, event_objects) VALUES (0, 7, now64(3), ['{event}'])")
         events = client.query(f"SELECT event_id, payload FROM {database}.events_local FINAL "
                               "ORDER BY event_type").result_rows
         assert events == [(event_id, "{}"), (split_id, '{"step":4}')]

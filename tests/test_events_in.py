@@ -1,11 +1,10 @@
-"""Both routes into ``events`` store the same rows.
+"""Both decoders' events are stored alike by ``events_in``'s view (migration 006).
 
-A message the msgspec mirror decodes reaches ``events`` through ``events_in`` and its
-materialized view (migration 006); any other goes through Python-built rows
-(``processors.rows.event_row``). Here the same events take each route into the real
-chdb store and the stored rows are compared column by column; ``payload`` is compared
-as JSON, because ClickHouse writes a float that has no fraction as ``0`` where orjson
-writes ``0.0``.
+A message the msgspec mirror decodes carries the JSON msgspec re-encoded; one pydantic
+validated carries :func:`processors.rows.validated_events_json`. Here the same events
+take each route into the real chdb store and the stored rows are compared column by
+column, and against the models (``payload`` as JSON: ClickHouse writes a float that
+has no fraction as ``0`` where orjson writes ``0.0``).
 """
 
 from __future__ import annotations
@@ -18,11 +17,11 @@ import orjson
 
 from bench.pipeline import generate_events
 from ingest.events import EventBase, LlmCall, RunStart, Step, ToolCall
-from ingest.wire import decode_message, encode_envelope
+from ingest.wire import _decode_slow, decode_message, encode_envelope
 from loopwatch.config import Settings
 from loopwatch.reprocess import MemoryRunStore
 from processors.pipeline import Pipeline, RawMessage
-from processors.rows import EVENTS_IN_TABLE, event_row
+from processors.rows import EVENT_COLUMNS, EVENTS_IN_TABLE, events_in_row, validated_events_json
 from processors.sink import ClickHouseSink, RowBatch
 
 T0 = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
@@ -68,7 +67,7 @@ def _delete(client: Any, run_ids: list[str]) -> None:
     client.command(f"DELETE FROM events WHERE run_id IN ({quoted})")
 
 
-def test_events_in_stores_what_python_built_rows_store(local_store):
+def test_mirrored_and_validated_events_are_stored_alike(local_store):
     _, client = local_store
     run_id = f"awkward-{uuid.uuid4().hex[:8]}"
     fleet = generate_events(400, seed=11, end=T0)
@@ -79,22 +78,32 @@ def test_events_in_stores_what_python_built_rows_store(local_store):
 
     pipeline = Pipeline(Settings(), MemoryRunStore(), clock=lambda: T0.timestamp())
     work = pipeline.process([RawMessage("loopwatch.events", PARTITION, OFFSET, value)])
-    assert len(work.rows.tables[EVENTS_IN_TABLE]) == 1 and not work.rows.tables["events"]
-    now = work.rows.tables[EVENTS_IN_TABLE][0]["ingested_at"]
+    (mirrored,) = work.rows.tables[EVENTS_IN_TABLE]
+    assert "event_extras" not in mirrored
+    validated = _decode_slow(value)
+    assert not validated.dead and validated.events_json is None
+    events_json, extras = validated_events_json(validated.events)
+    assert extras == [{}] * len(events)
     run_ids = sorted({event.run_id for event in events})
     sink = ClickHouseSink(client)
 
-    sink.write_batch(RowBatch({EVENTS_IN_TABLE: work.rows.tables[EVENTS_IN_TABLE]}))
-    through_view = _stored(client, run_ids)
+    sink.write_batch(RowBatch({EVENTS_IN_TABLE: [mirrored]}))
+    through_mirror = _stored(client, run_ids)
     _delete(client, run_ids)
-    sink.write_batch(RowBatch({"events": [event_row(event, PARTITION, OFFSET, now)
-                                          for event in decoded.events]}))
-    through_python = _stored(client, run_ids)
+    sink.write_batch(RowBatch({EVENTS_IN_TABLE: [events_in_row(
+        PARTITION, OFFSET, mirrored["ingested_at"], events_json, extras)]}))
+    through_pydantic = _stored(client, run_ids)
     _delete(client, run_ids)
 
-    assert len(through_view) == len(events) == len(through_python)
-    assert through_view == through_python
-    awkward = [row for row in through_view if row["run_id"] == run_id]
+    assert len(through_mirror) == len(events) == len(through_pydantic)
+    assert through_mirror == through_pydantic
+    by_id = {event.event_id: event for event in decoded.events}
+    for row in through_mirror:
+        fields = by_id[row["event_id"]].model_dump(mode="json")
+        assert row["payload"] == {name: value for name, value in fields.items()
+                                  if name not in EVENT_COLUMNS and value is not None}
+        assert row["extras"] == {}
+    awkward = [row for row in through_mirror if row["run_id"] == run_id]
     assert [row["event_type"] for row in awkward] == [
         "run.start", "step", "llm.call", "tool.call"]
     assert (awkward[0]["trace_id"], awkward[0]["span_id"], awkward[1]["trace_id"]) == (
@@ -106,5 +115,5 @@ def test_events_in_stores_what_python_built_rows_store(local_store):
     assert awkward[2]["payload"]["input_tokens"] == 10**12
     assert awkward[3]["payload"]["tool"] == "search\u0000x"
     assert "late_completion_ms" in awkward[3]["payload"] and "step" not in awkward[3]["payload"]
-    assert {row["kafka_partition"] for row in through_view} == {PARTITION}
-    assert {row["kafka_offset"] for row in through_view} == {OFFSET}
+    assert {row["kafka_partition"] for row in through_mirror} == {PARTITION}
+    assert {row["kafka_offset"] for row in through_mirror} == {OFFSET}

@@ -423,14 +423,16 @@ CREATE TABLE IF NOT EXISTS loopwatch.events_in ON CLUSTER loopwatch
     kafka_partition UInt32,
     kafka_offset    UInt64,
     ingested_at     DateTime64(3, 'UTC'),
-    event_objects   Array(String)
+    event_objects   Array(String),
+    event_extras    Array(Map(String, String))
 )
 ENGINE = Null;
 
 CREATE MATERIALIZED VIEW IF NOT EXISTS loopwatch.events_in_split ON CLUSTER loopwatch TO loopwatch.events AS
 WITH
     JSONExtract(event, 'Tuple(event_id String, event_type String, schema_version String, ts String, run_id String, trace_id Nullable(String), span_id Nullable(String), parent_span_id Nullable(String), agent String, agent_version String, task_type String, model String, prompt_version String, deployment String, traffic_slice String, worker_id String)') AS c,
-    arrayFilter(field -> field.2 != 'null' AND field.1 NOT IN ('event_id', 'event_type', 'schema_version', 'ts', 'run_id', 'trace_id', 'span_id', 'parent_span_id', 'agent', 'agent_version', 'task_type', 'model', 'prompt_version', 'deployment', 'traffic_slice', 'worker_id'), JSONExtractKeysAndValuesRaw(event)) AS kept
+    arrayFilter(field -> field.2 != 'null' AND field.1 NOT IN ('event_id', 'event_type', 'schema_version', 'ts', 'run_id', 'trace_id', 'span_id', 'parent_span_id', 'agent', 'agent_version', 'task_type', 'model', 'prompt_version', 'deployment', 'traffic_slice', 'worker_id'), JSONExtractKeysAndValuesRaw(event)) AS kept,
+    arrayConcat(kept, arrayZip(mapKeys(event_extra), mapValues(event_extra))) AS payload_fields
 SELECT
     toUUID(c.event_id) AS event_id,
     c.event_type AS event_type,
@@ -448,13 +450,15 @@ SELECT
     c.deployment AS deployment,
     c.traffic_slice AS traffic_slice,
     c.worker_id AS worker_id,
-    concat('{', arrayStringConcat(arrayMap(field -> concat(toJSONString(field.1), ':', field.2), kept), ','), '}') AS payload,
-    map() AS extras,
+    concat('{', arrayStringConcat(arrayMap(field -> concat(toJSONString(field.1), ':', field.2), payload_fields), ','), '}') AS payload,
+    event_extra AS extras,
     kafka_partition,
     kafka_offset,
     ingested_at
 FROM loopwatch.events_in
-ARRAY JOIN event_objects AS event;
+ARRAY JOIN
+    event_objects AS event,
+    arrayResize(event_extras, length(event_objects)) AS event_extra;
 
 -- retention
 --   events: 30 days by ts (raw events (replay, reprocess, investigations))

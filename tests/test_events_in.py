@@ -14,6 +14,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import orjson
+import pytest
+from clickhouse_connect.driver.exceptions import DatabaseError
 
 from bench.pipeline import generate_events
 from ingest.events import EventBase, LlmCall, RunStart, Step, ToolCall
@@ -117,3 +119,18 @@ def test_mirrored_and_validated_events_are_stored_alike(local_store):
     assert "late_completion_ms" in awkward[3]["payload"] and "step" not in awkward[3]["payload"]
     assert {row["kafka_partition"] for row in through_mirror} == {PARTITION}
     assert {row["kafka_offset"] for row in through_mirror} == {OFFSET}
+
+
+def test_a_row_the_view_cannot_split_fails_the_whole_insert(local_store):
+    """The delivery guarantee rests on this: the view runs inside the insert, so rows it
+    cannot write make the insert fail (the sink retries; nothing is acked) rather than
+    vanish into the Null table."""
+    _, client = local_store
+    run_id = f"unsplittable-{uuid.uuid4().hex[:8]}"
+    good = orjson.loads(encode_envelope([Step(run_id=run_id, agent="a", step=1, ts=T0)]))
+    bad = dict(good["events"][0], event_id="not-a-uuid")
+    rows = [events_in_row(0, 1, T0, orjson.dumps(good["events"])),
+            events_in_row(0, 2, T0, orjson.dumps([bad]))]
+    with pytest.raises(DatabaseError, match="UUID"):
+        ClickHouseSink(client).write_batch(RowBatch({EVENTS_IN_TABLE: rows}))
+    assert _stored(client, [run_id]) == []

@@ -132,6 +132,35 @@ def _proc_status(pid: int, field: str) -> int | None:
     return None
 
 
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(main thread, whole process) CPU seconds, user + system, that ``pid`` used so far;
+    (0, 0) once it is gone."""
+    def used(stat: str) -> float:
+        fields = Path(stat).read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    try:
+        return used(f"/proc/{pid}/task/{pid}/stat"), used(f"/proc/{pid}/stat")
+    except OSError:
+        return 0.0, 0.0
+
+
+def cpu_note(up_used: tuple[float, float], broker_used: float, events: int,
+             seconds: float) -> str:
+    """Where a measured window's CPU went, per event: what bounds the throughput on a
+    machine whose two cores the processor, its in-process chdb and the broker share.
+
+    >>> cpu_note((5.0, 12.0), 0.5, 500_000, 10.0)[:62]
+    'CPU per event: up main thread 10.0 µs (busy 50% of the window)'
+    """
+    main, process = up_used
+    per_event = 1e6 / max(events, 1)
+    return (f"CPU per event: up main thread {main * per_event:.1f} µs (busy "
+            f"{main / max(seconds, 1e-9):.0%} of the window), up's other threads "
+            f"{(process - main) * per_event:.1f} µs (chdb's inserts and merges, the sink "
+            f"thread), broker {broker_used * per_event:.1f} µs; counted from the child's "
+            "start of consuming, so the group join adds a little")
+
+
 def _pid(up: UpProcess) -> int:
     assert up.process is not None
     return up.process.pid
@@ -444,8 +473,12 @@ def run_bench(events: int, workers: int, query_events: int,
                 baseline = bulk_load(data_one, query_events, seed=11)
             progress("starting loopwatch up (1 worker)")
             with UpProcess(data_one, {**env, **THROUGHPUT_ENV}) as up:
-                measured = measure_processing(up, baseline, baseline + sent, progress)
                 pid = _pid(up)
+                up_before, broker_before = cpu_seconds(pid), cpu_seconds(broker.pid or 0)[1]
+                measured = measure_processing(up, baseline, baseline + sent, progress)
+                up_after, broker_after = cpu_seconds(pid), cpu_seconds(broker.pid or 0)[1]
+                note(cpu_note((up_after[0] - up_before[0], up_after[1] - up_before[1]),
+                              broker_after - broker_before, sent, measured["seconds"]))
                 note(f"1 worker: {measured['seconds']:.1f}s window, longest stretch without "
                      f"progress {measured['longest_stall_s']:.1f}s, slowest poll "
                      f"{measured['slowest_poll_s']:.1f}s (up pid {pid})")

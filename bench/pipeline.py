@@ -157,8 +157,8 @@ def cpu_note(up_used: tuple[float, float], broker_used: float, events: int,
     return (f"CPU per event: up main thread {main * per_event:.1f} µs (busy "
             f"{main / max(seconds, 1e-9):.0%} of the window), up's other threads "
             f"{(process - main) * per_event:.1f} µs (chdb's inserts and merges, the sink "
-            f"thread), broker {broker_used * per_event:.1f} µs; counted from the child's "
-            "start of consuming, so the group join adds a little")
+            f"thread), broker {broker_used * per_event:.1f} µs; counted from when the child "
+            "was up, so its consumer-group join adds a little")
 
 
 def _pid(up: UpProcess) -> int:

@@ -37,7 +37,7 @@ from processors.sink import RetryingSink, RowBatch, Sink
 
 log = logging.getLogger(__name__)
 
-#: a chunk of a taken batch is folded and its ``events`` rows written together: about
+#: a chunk of a taken batch is folded and its raw events (`events_in` rows) written together: about
 #: this many bytes of messages, each counted as its size plus ``CHUNK_MESSAGE_BYTES``
 #: (so single events count too). Every insert into chdb costs ~10 ms whatever its size:
 #: 8 MB (~25k bench events) took 35.6k events/s, 4 MB 32.8k, and 16 MB 34.5k while

@@ -20,7 +20,7 @@ from loopwatch.config import Settings
 from loopwatch.store.clickhouse import connect, run_query
 from loopwatch.store.reader import ServiceReader, running_service
 from processors.pipeline import Pipeline, RawMessage
-from processors.rows import EVENT_COLUMNS, EVENT_TABLES, event_json, run_row
+from processors.rows import EVENT_COLUMNS, EVENTS_IN_TABLE, event_json, run_row
 from processors.runs import RunState
 from processors.sink import ClickHouseSink
 
@@ -78,8 +78,7 @@ def reprocess_with(client: Client, settings: Settings, since: datetime,
         ]
         events += len(messages)
         work = pipeline.process(messages)
-        for table in EVENT_TABLES:
-            work.rows.tables.pop(table, None)
+        work.rows.tables.pop(EVENTS_IN_TABLE, None)
         work.rows.tables.pop("dead_letters", None)
         work.rows.tables["runs"] = []
         for run_id in batch:

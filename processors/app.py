@@ -31,22 +31,23 @@ import orjson
 from loopwatch.config import Settings
 from processors.capture_app import register_captures
 from processors.pipeline import Pipeline, RawMessage, Work
-from processors.rows import EVENT_TABLES
+from processors.rows import EVENTS_IN_TABLE
 from processors.runs import RunState
 from processors.sink import RetryingSink, RowBatch, Sink
 
 log = logging.getLogger(__name__)
 
-#: a chunk of a taken batch is folded and its raw events (`events_in` rows) written together: about
-#: this many bytes of messages, each counted as its size plus ``CHUNK_MESSAGE_BYTES``
-#: (so single events count too). Every insert into chdb costs ~10 ms whatever its size:
-#: 8 MB (~25k bench events) took 35.6k events/s, 4 MB 32.8k, and 16 MB 34.5k while
-#: doubling the rows a chunk holds in memory (one 500k-event run each, so +-5 %).
+#: a chunk of a taken batch is folded and its raw events (``events_in`` rows) written
+#: together: about this many bytes of messages, each counted as its size plus
+#: ``CHUNK_MESSAGE_BYTES`` (so single events count too). Every insert into chdb costs
+#: ~10 ms whatever its size: 8 MB (~25k bench events) took 35.6k events/s, 4 MB 32.8k,
+#: and 16 MB 34.5k while doubling the rows a chunk holds in memory (one 500k-event run
+#: each, so +-5 %).
 CHUNK_BYTES = 8_000_000
 CHUNK_MESSAGE_BYTES = 400
-#: the tables written with every chunk (the raw events); the others (a few rows per
-#: run) wait for the batch's last write, or until ``DEFERRED_MAX_ROWS`` of them wait
-STREAMED_TABLES = frozenset(EVENT_TABLES)
+#: the table written with every chunk (the raw events); the others (a few rows per run)
+#: wait for the batch's last write, or until ``DEFERRED_MAX_ROWS`` of them wait
+STREAMED_TABLE = EVENTS_IN_TABLE
 DEFERRED_MAX_ROWS = 40_000
 #: writes queued for the sink thread at a time (a chunk's rows, or a batch's last
 #: write); more waiting writes hold more rows in memory and gained nothing measurable
@@ -317,7 +318,7 @@ class Processor:
         writes: list[asyncio.Future[None]] = []
         for chunk in chunks[:-1]:
             work = self.pipeline.fold(chunk, touched)
-            deferred.extend(work.rows.take_all_but(STREAMED_TABLES))
+            deferred.extend(work.rows.take_all_but(STREAMED_TABLE))
             if len(touched) >= self.settings.settle_max_runs \
                     or len(deferred) >= DEFERRED_MAX_ROWS:
                 work.rows.extend(self.pipeline.settle(touched).rows)

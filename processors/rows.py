@@ -29,8 +29,6 @@ _OPTIONAL_IDS = ("trace_id", "span_id", "parent_span_id")
 
 #: the table ClickHouse splits into ``events`` rows (migration 006): one row per message
 EVENTS_IN_TABLE = "events_in"
-#: the tables that receive the raw events
-EVENT_TABLES = ("events", EVENTS_IN_TABLE)
 
 
 def events_in_row(partition: int, offset: int, now: datetime, events_json: bytes,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,17 +36,17 @@ class RowBatch:
         for table, rows in other.tables.items():
             self.tables[table].extend(rows)
 
-    def take_all_but(self, tables: Collection[str]) -> RowBatch:
+    def take_all_but(self, table: str) -> RowBatch:
         """Move every other table's rows out into a new batch.
 
         >>> batch = RowBatch()
         >>> batch.add("events", {"n": 1}); batch.add("runs", {"n": 2})
-        >>> rest = batch.take_all_but({"events"})
+        >>> rest = batch.take_all_but("events")
         >>> dict(batch.tables), dict(rest.tables)
         ({'events': [{'n': 1}]}, {'runs': [{'n': 2}]})
         """
         rest = RowBatch()
-        for name in [name for name in self.tables if name not in tables]:
+        for name in [name for name in self.tables if name != table]:
             rest.tables[name] = self.tables.pop(name)
         return rest
 

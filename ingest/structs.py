@@ -7,7 +7,7 @@ decoded struct becomes an instance of its model without a second validation.
 
 The mirror is strict where pydantic is lenient: unknown fields (extras), epoch-millis
 or non-RFC 3339 times, numbers as strings, a schema version other than this build's...
-make :func:`decode_events` return None, and the caller validates the message with
+make :func:`mirror_message` return None, and the caller validates the message with
 pydantic as before. So the mirror only has to agree with pydantic on what it accepts,
 which ``tests/test_struct_mirror.py`` checks on generated input. One known disagreement
 is guarded: for a time with more than 6 fractional digits msgspec rounds where pydantic
@@ -135,28 +135,21 @@ class Mirrored(NamedTuple):
     as_json: bytes
 
 
-def decode_events(value: bytes, envelope_version: int) -> list[EventBase] | None:
-    """Every event of a message (an envelope or one event) as model instances, or None
-    if anything in it is not plainly valid (the caller then asks pydantic).
-
-    >>> events = decode_events(b'{"envelope_version":1,"events":[{"event_type":"step",'
-    ...     b'"run_id":"r","agent":"a","step":1,"ts":"2026-01-02T03:04:05+01:00"}]}', 1)
-    >>> type(events[0]).__name__, events[0].step, events[0].ts.isoformat()
-    ('Step', 1, '2026-01-02T02:04:05+00:00')
-    >>> decode_events(b'{"event_type":"step","run_id":"r","agent":"a","step":1,"x":2}', 1)
-    """
-    mirrored = mirror_message(value, envelope_version)
-    return None if mirrored is None else mirrored.events
-
-
 def mirror_message(value: bytes, envelope_version: int) -> Mirrored | None:
-    """:func:`decode_events`, with the events re-encoded from their structs (~0.3 µs an
-    event: the processors hand ClickHouse this array instead of building rows).
+    """Every event of a message (an envelope or one event) as model instances, and the
+    same events re-encoded from their structs (~0.3 µs an event: the processors hand
+    ClickHouse this array instead of building rows); None if anything in the message is
+    not plainly valid (the caller then asks pydantic).
 
-    >>> mirror_message(b'{"event_type":"step","run_id":"r","agent":"a","step":1,'
-    ...     b'"ts":"2026-01-02T03:04:05Z","event_id":"0190d5a4-0000-7000-8000-000000000000"}',
-    ...     1).as_json[:64]
+    >>> mirrored = mirror_message(b'{"envelope_version":1,"events":[{"event_type":"step",'
+    ...     b'"run_id":"r","agent":"a","step":1,"ts":"2026-01-02T03:04:05+01:00",'
+    ...     b'"event_id":"0190d5a4-0000-7000-8000-000000000000"}]}', 1)
+    >>> (event,) = mirrored.events
+    >>> type(event).__name__, event.step, event.ts.isoformat()
+    ('Step', 1, '2026-01-02T02:04:05+00:00')
+    >>> mirrored.as_json[:64]
     b'[{"event_type":"step","event_id":"0190d5a4-0000-7000-8000-000000'
+    >>> mirror_message(b'{"event_type":"step","run_id":"r","agent":"a","step":1,"x":2}', 1)
     """
     if b".0000000" in value.translate(_DIGITS_AS_ZERO) and _SUB_MICROSECOND.search(value):
         return None

@@ -18,7 +18,7 @@ from datetime import UTC, datetime, timedelta
 import orjson
 
 from ingest.events import LlmCall, RunStart, Step
-from ingest.structs import decode_events
+from ingest.structs import mirror_message
 from ingest.wire import _decode_in_one_call, _decode_slow, decode_message, encode_envelope
 from loopwatch.config import Settings
 from loopwatch.reprocess import MemoryRunStore
@@ -50,7 +50,7 @@ def _events(run_id: str) -> list[dict[str, object]]:
 
 def test_an_envelope_with_extras_is_validated_in_one_call_with_the_same_events():
     value = orjson.dumps({"envelope_version": 1, "events": _events("r-fast")})
-    assert decode_events(value, 1) is None  # the mirror leaves extras to pydantic
+    assert mirror_message(value, 1) is None  # the mirror leaves extras to pydantic
     fast = _decode_in_one_call(value)
     slow = _decode_slow(value)
     assert fast is not None and not fast.dead and not slow.dead
@@ -63,7 +63,7 @@ def test_one_bad_event_falls_back_and_keeps_each_reason():
     events.insert(1, {"event_type": "step", "run_id": "r-mixed", "agent": "fast",
                       "step": -1})
     value = orjson.dumps({"envelope_version": 1, "events": events})
-    assert decode_events(value, 1) is None and _decode_in_one_call(value) is None
+    assert mirror_message(value, 1) is None and _decode_in_one_call(value) is None
     decoded = decode_message(value, 1_000_000)
     assert [e.event_type for e in decoded.events] == ["run.start", "step", "llm.call"]
     assert [letter.reason for letter in decoded.dead] == [
@@ -84,8 +84,8 @@ def test_the_stored_payload_is_the_event_less_its_columns_and_rebuilds_it_whole(
                                   "step": 1})
     extra_bytes = orjson.dumps(dict(complete.model_dump(mode="json"), step=2,
                                     event_id=str(uuid.uuid4()), surprise={"kept": [1]}))
-    assert decode_events(complete_bytes, 1) is not None
-    assert decode_events(extra_bytes, 1) is None
+    assert mirror_message(complete_bytes, 1) is not None
+    assert mirror_message(extra_bytes, 1) is None
     pipeline = Pipeline(Settings(), MemoryRunStore(), clock=lambda: T0.timestamp())
     work = pipeline.process([RawMessage("t", 0, 0, complete_bytes),
                              RawMessage("t", 0, 1, partial_bytes),

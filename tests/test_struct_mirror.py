@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from ingest.events import EVENT_TYPES, SCHEMA_VERSION, TS_MAX, EventBase, Step
-from ingest.structs import decode_events
+from ingest.structs import mirror_message
 from ingest.wire import _decode_slow, decode_message
 
 BOUND_NAMES = ("ge", "gt", "le", "min_length", "max_length")
@@ -137,22 +137,23 @@ def _message(items: list[dict[str, Any]], envelope: bool) -> bytes:
 @given(st.lists(events(lenient=True), min_size=1, max_size=4), st.booleans())
 def test_what_the_mirror_accepts_pydantic_accepts_as_the_same_events(items, envelope):
     value = _message(items, envelope)
-    mirrored = decode_events(value, 1)
+    mirrored = mirror_message(value, 1)
     if mirrored is None:
         return
     reference = _decode_slow(value)
     assert reference.dead == []
-    assert mirrored == reference.events
-    assert [type(event) for event in mirrored] == [type(event) for event in reference.events]
+    assert mirrored.events == reference.events
+    assert [type(event) for event in mirrored.events] == [
+        type(event) for event in reference.events]
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(events(lenient=False), min_size=1, max_size=4), st.booleans())
 def test_plainly_valid_events_take_the_mirror(items, envelope):
     value = _message(items, envelope)
-    mirrored = decode_events(value, 1)
+    mirrored = mirror_message(value, 1)
     assert mirrored is not None
-    assert mirrored == _decode_slow(value).events
+    assert mirrored.events == _decode_slow(value).events
 
 
 def test_what_the_mirror_declines_still_decodes_with_pydantic_reasons():
@@ -166,7 +167,7 @@ def test_what_the_mirror_declines_still_decodes_with_pydantic_reasons():
     }
     for why, event in cases.items():
         value = orjson.dumps(event)
-        assert decode_events(value, 1) is None, why
+        assert mirror_message(value, 1) is None, why
         decoded = decode_message(value, 10_000)
         assert decoded.dead == [] and len(decoded.events) == 1, why
     late = decode_message(orjson.dumps(cases["7 fractional digits"]), 10_000).events[0]
@@ -179,7 +180,9 @@ def test_what_the_mirror_declines_still_decodes_with_pydantic_reasons():
 def test_mirrored_events_behave_as_validated_ones():
     """Frozen, generated ids and times, fields set, extras: as pydantic builds them."""
     value = b'{"event_type":"step","run_id":"r","agent":"a","step":2}'
-    (event,) = decode_events(value, 1) or []
+    mirrored = mirror_message(value, 1)
+    assert mirrored is not None
+    (event,) = mirrored.events
     assert isinstance(event, Step) and event.step_type == "act"
     assert event.event_id.version == 7 and event.ts.tzinfo is UTC
     assert event.model_extra == {} and "step" in event.model_fields_set
@@ -200,7 +203,9 @@ def test_mirrored_events_of_a_model_share_a_fields_set_nothing_changes():
     leave it as it was."""
     value = (b'{"envelope_version":1,"events":[{"event_type":"step","run_id":"r","agent":"a",'
              b'"step":1},{"event_type":"step","run_id":"s","agent":"a","step":2}]}')
-    first, second = decode_events(value, 1) or []
+    mirrored = mirror_message(value, 1)
+    assert mirrored is not None
+    first, second = mirrored.events
     every_field = set(Step.model_fields)
     copied = first.model_copy(update={"step": 7})
     first.model_copy(deep=True)

@@ -55,23 +55,44 @@ def _bounded(annotation: Any, metadata: list[Any], where: str) -> Any:
     return Annotated[annotation, meta]
 
 
+def _always_written(factory: Callable[[], Any]) -> Any:
+    """A default msgspec never leaves out of an encoding: with ``omit_defaults`` it
+    omits a field equal to a plain default, or an empty collection from a collection
+    factory, but never a value from any other factory."""
+    return msgspec.field(default_factory=lambda: factory())
+
+
+def _constant(value: Any, where: str) -> Callable[[], Any]:
+    if not isinstance(value, str | int | float | bool):
+        raise TypeError(f"{where}: no msgspec mirror for the default {value!r}")
+    return lambda: value
+
+
 def mirror(model: type[EventBase]) -> type[msgspec.Struct]:
     """A struct with the model's fields, tagged by its ``event_type``; unknown fields
-    are an error (pydantic keeps them as extras, so such events take pydantic's path)."""
+    are an error (pydantic keeps them as extras, so such events take pydantic's path).
+
+    Encoding a struct leaves out exactly its null fields: the only plain defaults are
+    the ``None`` ones, and every other default comes from a factory, which
+    ``omit_defaults`` never omits. The ``events_in`` view drops nulls anyway; not
+    writing them makes the events ~30 % shorter for ClickHouse to parse."""
     fields: list[tuple[str, Any, Any]] = []
     for name, info in model.model_fields.items():
         if name == "event_type":
             continue
-        annotation = _bounded(info.annotation, info.metadata, f"{model.__name__}.{name}")
+        where = f"{model.__name__}.{name}"
+        annotation = _bounded(info.annotation, info.metadata, where)
         if info.default_factory is not None:
-            default = msgspec.field(default_factory=info.default_factory)  # type: ignore[arg-type]
+            default = _always_written(info.default_factory)  # type: ignore[arg-type]
         elif info.is_required():
             default = msgspec.NODEFAULT
+        elif info.default is None:
+            default = None
         else:
-            default = info.default
+            default = _always_written(_constant(info.default, where))
         fields.append((name, annotation, default))
     return msgspec.defstruct(
-        model.__name__, fields, kw_only=True, forbid_unknown_fields=True,
+        model.__name__, fields, kw_only=True, forbid_unknown_fields=True, omit_defaults=True,
         tag_field="event_type", tag=str(model.model_fields["event_type"].default),
     )
 
@@ -128,8 +149,9 @@ _ENCODER = msgspec.json.Encoder()
 
 
 class Mirrored(NamedTuple):
-    """A message's events, and the same events as one JSON array: every field, defaults
-    written out, in the models' field order (what the ``events_in`` table reads)."""
+    """A message's events, and the same events as one JSON array: every non-null field,
+    defaults written out, in the models' field order (what the ``events_in`` table
+    reads)."""
 
     events: list[EventBase]
     as_json: bytes

@@ -154,6 +154,10 @@ def test_plainly_valid_events_take_the_mirror(items, envelope):
     mirrored = mirror_message(value, 1)
     assert mirrored is not None
     assert mirrored.events == _decode_slow(value).events
+    # what events_in reads: every non-null field, defaults too ("ts" keeps its offset)
+    written = [dict(fields, ts=None) for fields in json.loads(mirrored.as_json)]
+    assert written == [dict(event.model_dump(mode="json", exclude_none=True), ts=None)
+                       for event in mirrored.events]
 
 
 def test_what_the_mirror_declines_still_decodes_with_pydantic_reasons():

@@ -13,7 +13,8 @@ Delivery guarantee: at-least-once. Events are validated at the call site (a bad 
 raises ``pydantic.ValidationError`` there), queued, and sent by a background thread
 with kafka-python, so the agent's loop never waits on the network. Events for one
 partition travel together in an envelope (the partition is chosen from ``run_id``, so
-a run's events stay ordered). When the broker cannot take them they go to a bounded
+a run's events stay ordered): up to ``max_batch`` events of a partition, gathered for
+up to ``linger_s``. When the broker cannot take them they go to a bounded
 on-disk spool and are resent later; ``event_id`` makes a resend harmless.
 
 Capture (docs/capture.md): ``llm_call(prompt=..., response=...)`` and
@@ -470,7 +471,8 @@ class Emitter:
                 return
             batch = [] if first is None else [first]
             deadline = time.monotonic() + self._linger_s
-            while len(batch) < self._max_batch:
+            limit = self._max_batch * (self._partitions or 1)
+            while len(batch) < limit:
                 item = self._next(timeout=max(0.0, deadline - time.monotonic()))
                 if item is None:
                     break
@@ -505,21 +507,28 @@ class Emitter:
             return
         assert self._producer is not None and self._partitions is not None
         groups: dict[int, list[bytes]] = defaultdict(list)
+        partition_of: dict[str, int] = {}  # murmur2 is pure Python: once per run
         for line in lines:
             try:
                 run_id = str(orjson.loads(line).get("run_id") or "")
             except (orjson.JSONDecodeError, AttributeError):
                 run_id = ""  # e.g. a damaged spool line: the processors dead-letter it
-            groups[partition_for(run_id, self._partitions)].append(line)
+            partition = partition_of.get(run_id)
+            if partition is None:
+                partition = partition_of[run_id] = partition_for(run_id, self._partitions)
+            groups[partition].append(line)
         for partition, group in groups.items():
             for chunk in self._chunks(group):
                 self._send_message(partition, chunk)
 
     def _chunks(self, group: list[bytes]) -> Iterator[list[bytes]]:
+        """One partition's events as envelopes of at most ``max_batch`` events and
+        ``max_message_bytes``."""
         chunk: list[bytes] = []
         size = 0
         for line in group:
-            if chunk and size + len(line) > self._max_message_bytes:
+            if chunk and (size + len(line) > self._max_message_bytes
+                          or len(chunk) >= self._max_batch):
                 yield chunk
                 chunk, size = [], 0
             chunk.append(line)

@@ -15,6 +15,7 @@ from kafka.admin import KafkaAdminClient, NewTopic
 from pydantic import ValidationError
 
 from ingest.capture import assemble_part, blob_hash, part_hash
+from ingest.events import Step
 from ingest.sdk import Emitter, ToolTimeout, partition_for
 from ingest.wire import decode_message
 from loopwatch.embedded.broker import EmbeddedBroker, free_port
@@ -59,6 +60,32 @@ def test_events_of_a_run_stay_ordered_on_the_run_partition(broker, tmp_path: Pat
         assert {p for p, _ in mine} == {partition_for(run_id, 3)}
         assert [e["event_type"] for _, e in mine] == ["run.start", *["step"] * 20, "run.end"]
         assert [e["step"] for _, e in mine[1:-1]] == list(range(20))
+
+
+def test_a_burst_makes_one_full_envelope_per_partition(broker, tmp_path: Path):
+    """Events gather per partition: a burst of ``max_batch`` events for each of 3
+    partitions leaves as 3 envelopes of ``max_batch``, not as ``max_batch`` events at a
+    time split over every partition's messages."""
+    topic = f"sdk-{uuid.uuid4().hex[:8]}"
+    create_topic(broker.bootstrap, topic)
+    run_of: dict[int, str] = {}
+    for n in range(100):
+        run_of.setdefault(partition_for(f"run-{n}", 3), f"run-{n}")
+    with Emitter(broker.bootstrap, topic, tmp_path, max_batch=10, linger_s=1.0) as emitter:
+        emitter.emit(Step(run_id=run_of[0], agent="a", step=0))  # connects: 3 partitions
+        assert emitter.flush(30)
+        for step in range(1, 11):
+            for partition in range(3):
+                emitter.emit(Step(run_id=run_of[partition], agent="a", step=step))
+        assert emitter.flush(30)
+    consumer = KafkaConsumer(bootstrap_servers=broker.bootstrap, consumer_timeout_ms=2000)
+    assigned = [TopicPartition(topic, p) for p in range(3)]
+    consumer.assign(assigned)
+    consumer.seek_to_beginning(*assigned)
+    sizes = sorted((len(decode_message(message.value, 10_000_000).events), message.partition)
+                   for message in consumer)
+    consumer.close()
+    assert sizes == [(1, 0), (10, 0), (10, 1), (10, 2)]
 
 
 def test_broker_unreachable_events_spool_and_are_resent_once_it_is_back(tmp_path: Path):

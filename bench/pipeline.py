@@ -144,6 +144,24 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
         return 0.0, 0.0
 
 
+def machine_ticks() -> tuple[int, int]:
+    """(busy, total) CPU ticks of the whole machine so far, from ``/proc/stat``."""
+    ticks = [int(field) for field in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    return sum(ticks) - idle, sum(ticks)
+
+
+def busy_cores(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """How many of the machine's cores were busy, on average, between two
+    :func:`machine_ticks`: near ``os.cpu_count()`` means the window was CPU-bound.
+
+    >>> busy_cores((100, 1000), (250, 1200)) * 2 / (os.cpu_count() or 1)
+    1.5
+    """
+    busy, total = after[0] - before[0], after[1] - before[1]
+    return busy / max(total, 1) * (os.cpu_count() or 1)
+
+
 def cpu_note(up_used: tuple[float, float], broker_used: float, events: int,
              seconds: float) -> str:
     """Where a measured window's CPU went, per event: what bounds the throughput on a
@@ -235,11 +253,13 @@ def measure_processing(up: UpProcess, already: int, target: int, progress: Progr
     The window opens at the last poll that saw nothing consumed and nothing new stored
     (so start-up and the group join stay out, give or take one poll interval) and
     closes at the poll that sees the target; also returns the longest stretch without
-    progress inside it.
+    progress inside it, and how many cores the machine had busy in it (near all of them:
+    the window was CPU-bound).
     """
     deadline = time.monotonic() + timeout_s
     opened: float | None = None
     before = time.monotonic()
+    ticks_before = ticks_opened = machine_ticks()
     last_change, longest_stall, previous = before, 0.0, already
     stored, slowest_poll = already, 0.0
     while True:
@@ -253,7 +273,8 @@ def measure_processing(up: UpProcess, already: int, target: int, progress: Progr
         if opened is None:
             if stored > already or up.health()["counters"]["messages"] > 0:
                 opened = last_change = before
-            before = now
+                ticks_opened = ticks_before
+            before, ticks_before = now, machine_ticks()
         if opened is not None and stored != previous:
             longest_stall = max(longest_stall, now - last_change)
             last_change, previous = now, stored
@@ -264,7 +285,8 @@ def measure_processing(up: UpProcess, already: int, target: int, progress: Progr
     assert opened is not None
     elapsed = now - opened
     return {"rate": (stored - already) / elapsed, "seconds": elapsed,
-            "longest_stall_s": longest_stall, "slowest_poll_s": slowest_poll}
+            "longest_stall_s": longest_stall, "slowest_poll_s": slowest_poll,
+            "busy_cores": busy_cores(ticks_opened, machine_ticks())}
 
 
 def query_latencies(up: UpProcess, runs: int = 3) -> dict[str, float]:
@@ -479,6 +501,8 @@ def run_bench(events: int, workers: int, query_events: int,
                 up_after, broker_after = cpu_seconds(pid), cpu_seconds(broker.pid or 0)[1]
                 note(cpu_note((up_after[0] - up_before[0], up_after[1] - up_before[1]),
                               broker_after - broker_before, sent, measured["seconds"]))
+                note(f"1 worker: the machine had {measured['busy_cores']:.2f} of its "
+                     f"{os.cpu_count()} cores busy in the window")
                 note(f"1 worker: {measured['seconds']:.1f}s window, longest stretch without "
                      f"progress {measured['longest_stall_s']:.1f}s, slowest poll "
                      f"{measured['slowest_poll_s']:.1f}s (up pid {pid})")
@@ -509,6 +533,8 @@ def run_bench(events: int, workers: int, query_events: int,
                         measured = measure_processing(up, 0, sent, progress)
                     finally:
                         terminate(extra, 60)
+                    note(f"2 workers: the machine had {measured['busy_cores']:.2f} of its "
+                         f"{os.cpu_count()} cores busy in the window")
                 result["workers"]["2"] = measured["rate"]
                 note("2 workers " + log_signals(data_two / "logs"))
                 note(f"2 workers: {measured['seconds']:.1f}s window, longest stretch without "

@@ -30,11 +30,11 @@ from ingest.events import EVENT_TYPES, SCHEMA_VERSION, TS_MAX, TS_MIN, EventBase
 #: the annotated-types bounds the models use, as msgspec.Meta keywords
 _BOUNDS = {Ge: "ge", Gt: "gt", Le: "le", MinLen: "min_length", MaxLen: "max_length"}
 #: a 7th fractional digit ending a time string (a float's digits end at ``,`` or ``}``;
-#: a string that merely looks like it only costs that message the mirror)
+#: a string that merely looks like it only costs that message the mirror). One pass
+#: over a message, ~0.25 µs per bench event; a prefilter that first looked for "." and 7
+#: digits with every digit read as 0 cost 0.2 more, since nearly every envelope holds a
+#: float with 7 or more decimals
 _SUB_MICROSECOND = re.compile(rb'\.\d{7,}[Zz+"-]')
-#: a message with no "." followed by 7 digits cannot match ``_SUB_MICROSECOND``: found
-#: with every digit read as 0, 0.2 µs per bench event where the regex took 1.4
-_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
 
 
 def _bounded(annotation: Any, metadata: list[Any], where: str) -> Any:
@@ -173,7 +173,7 @@ def mirror_message(value: bytes, envelope_version: int) -> Mirrored | None:
     b'[{"event_type":"step","event_id":"0190d5a4-0000-7000-8000-000000'
     >>> mirror_message(b'{"event_type":"step","run_id":"r","agent":"a","step":1,"x":2}', 1)
     """
-    if b".0000000" in value.translate(_DIGITS_AS_ZERO) and _SUB_MICROSECOND.search(value):
+    if _SUB_MICROSECOND.search(value):
         return None
     try:
         if b'"envelope_version"' in value:

@@ -10,7 +10,6 @@ from typing import Any
 
 import orjson
 import pytest
-from kafka import KafkaConsumer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
 from pydantic import ValidationError
 
@@ -20,6 +19,7 @@ from ingest.sdk import Emitter, ToolTimeout, partition_for
 from ingest.wire import decode_message
 from loopwatch.embedded.broker import EmbeddedBroker, free_port
 from processors.capture import parse_capture
+from tests.conftest import read_to_end
 
 
 def create_topic(bootstrap: str, name: str, partitions: int = 3) -> None:
@@ -28,18 +28,11 @@ def create_topic(bootstrap: str, name: str, partitions: int = 3) -> None:
     admin.close()
 
 
-def read_all(bootstrap: str, topic: str, partitions: int = 3) -> list[tuple[int, dict]]:
+def read_all(bootstrap: str, topic: str) -> list[tuple[int, dict]]:
     """(partition, event) for every event on the topic, envelopes unpacked."""
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, consumer_timeout_ms=2000)
-    assigned = [TopicPartition(topic, p) for p in range(partitions)]
-    consumer.assign(assigned)
-    consumer.seek_to_beginning(*assigned)
-    found = []
-    for message in consumer:
-        for event in decode_message(message.value, 10_000_000).events:
-            found.append((message.partition, orjson.loads(event.model_dump_json())))
-    consumer.close()
-    return found
+    return [(message.partition, orjson.loads(event.model_dump_json()))
+            for message in read_to_end(bootstrap, topic)
+            for event in decode_message(message.value, 10_000_000).events]
 
 
 def test_events_of_a_run_stay_ordered_on_the_run_partition(broker, tmp_path: Path):
@@ -78,13 +71,8 @@ def test_a_burst_makes_one_full_envelope_per_partition(broker, tmp_path: Path):
             for partition in range(3):
                 emitter.emit(Step(run_id=run_of[partition], agent="a", step=step))
         assert emitter.flush(30)
-    consumer = KafkaConsumer(bootstrap_servers=broker.bootstrap, consumer_timeout_ms=2000)
-    assigned = [TopicPartition(topic, p) for p in range(3)]
-    consumer.assign(assigned)
-    consumer.seek_to_beginning(*assigned)
     sizes = sorted((len(decode_message(message.value, 10_000_000).events), message.partition)
-                   for message in consumer)
-    consumer.close()
+                   for message in read_to_end(broker.bootstrap, topic))
     assert sizes == [(1, 0), (10, 0), (10, 1), (10, 2)]
 
 
@@ -143,15 +131,9 @@ def test_timed_tool_call_reports_the_true_duration_of_a_late_completion(broker, 
     assert on_time["latency_ms"] >= 600 and on_time["late_completion_ms"] is None
 
 
-def read_captures(bootstrap: str, topic: str, partitions: int = 3) -> list[tuple[int, bytes, Any]]:
+def read_captures(bootstrap: str, topic: str) -> list[tuple[int, bytes, Any]]:
     """(partition, key, checked capture message) for every message on ``topic``."""
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, consumer_timeout_ms=2000)
-    assigned = [TopicPartition(topic, p) for p in range(partitions)]
-    consumer.assign(assigned)
-    consumer.seek_to_beginning(*assigned)
-    found = [(m.partition, m.key, parse_capture(m.value)) for m in consumer]
-    consumer.close()
-    return found
+    return [(m.partition, m.key, parse_capture(m.value)) for m in read_to_end(bootstrap, topic)]
 
 
 def test_bodies_travel_on_the_captures_topic_serialised_at_the_call(broker, tmp_path: Path):

@@ -289,6 +289,19 @@ def measure_processing(up: UpProcess, already: int, target: int, progress: Progr
             "busy_cores": busy_cores(ticks_opened, machine_ticks())}
 
 
+def window_note(label: str, measured: dict[str, float], detail: str) -> str:
+    """One measured window (:func:`measure_processing`) in words.
+
+    >>> window_note("1 worker", {"seconds": 8.7, "busy_cores": 1.53, "longest_stall_s": 0.6,
+    ...                          "slowest_poll_s": 0.1}, "up pid 7")[:44]
+    "1 worker: 8.7s window, 1.53 of the machine's"
+    """
+    return (f"{label}: {measured['seconds']:.1f}s window, {measured['busy_cores']:.2f} of the "
+            f"machine's {os.cpu_count()} cores busy, longest stretch without progress "
+            f"{measured['longest_stall_s']:.1f}s, slowest poll "
+            f"{measured['slowest_poll_s']:.1f}s ({detail})")
+
+
 def query_latencies(up: UpProcess, runs: int = 3) -> dict[str, float]:
     found = up.reader.query(
         "SELECT run_id FROM runs FINAL ORDER BY outcome = 'looped' DESC, tool_calls DESC "
@@ -501,11 +514,7 @@ def run_bench(events: int, workers: int, query_events: int,
                 up_after, broker_after = cpu_seconds(pid), cpu_seconds(broker.pid or 0)[1]
                 note(cpu_note((up_after[0] - up_before[0], up_after[1] - up_before[1]),
                               broker_after - broker_before, sent, measured["seconds"]))
-                note(f"1 worker: the machine had {measured['busy_cores']:.2f} of its "
-                     f"{os.cpu_count()} cores busy in the window")
-                note(f"1 worker: {measured['seconds']:.1f}s window, longest stretch without "
-                     f"progress {measured['longest_stall_s']:.1f}s, slowest poll "
-                     f"{measured['slowest_poll_s']:.1f}s (up pid {pid})")
+                note(window_note("1 worker", measured, f"up pid {pid}"))
                 note("1 worker " + log_signals(data_one / "logs"))
                 result["pipeline_events_per_s"] = measured["rate"]
                 result["workers"]["1"] = measured["rate"]
@@ -533,14 +542,10 @@ def run_bench(events: int, workers: int, query_events: int,
                         measured = measure_processing(up, 0, sent, progress)
                     finally:
                         terminate(extra, 60)
-                    note(f"2 workers: the machine had {measured['busy_cores']:.2f} of its "
-                         f"{os.cpu_count()} cores busy in the window")
                 result["workers"]["2"] = measured["rate"]
                 note("2 workers " + log_signals(data_two / "logs"))
-                note(f"2 workers: {measured['seconds']:.1f}s window, longest stretch without "
-                     f"progress {measured['longest_stall_s']:.1f}s, slowest poll "
-                     f"{measured['slowest_poll_s']:.1f}s (a rebalance while the "
-                     "second worker joins falls inside it)")
+                note(window_note("2 workers", measured,
+                                 "a rebalance while the second worker joins falls inside it"))
             else:
                 note("workers['2'] is null: run with --workers 2 to measure it")
 

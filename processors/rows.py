@@ -38,9 +38,10 @@ def events_in_row(partition: int, offset: int, now: datetime, events_json: bytes
     written out: the timeline panel reads e.g. ``step_type``) and the extras as the
     ``payload`` object, the extras once more as a map, and where in Kafka they came from.
 
-    ``events_json`` is the events as one JSON array with every field in the models'
-    order and no extras (the mirror's :class:`ingest.structs.Mirrored`, or
-    :func:`validated_events_json`); ``extras``, if any, one map per event of extra
+    ``events_json`` is the events as one JSON array of their fields in the models'
+    order, no extras, nulls written or left out alike (the mirror's
+    :class:`ingest.structs.Mirrored` leaves them out, :func:`validated_events_json`
+    writes them); ``extras``, if any, one map per event of extra
     field -> its JSON. Python's share is that array, which the decoder already
     encoded: building and encoding the rows here took ~3 µs an event of the processor's
     single interpreter thread; the view costs ClickHouse's own threads ~2.6 µs an event

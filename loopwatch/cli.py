@@ -55,11 +55,13 @@ def up(
 
     def progress(status: dict[str, Any]) -> None:
         counters = status["counters"]
+        failed = counters.get("processing_errors", 0)
         console.print(
             f"{datetime.now().strftime('%H:%M:%S')}  events {counters['events']}  "
             f"runs closed {counters['runs_closed']} (abandoned {counters['runs_abandoned']}, "
-            f"revised {counters['runs_revised']})  dead letters {counters['dead_letters']}  "
-            f"duplicates {counters['duplicates']}  store retries {status['sink_failures']}")
+            f"revised {counters['runs_revised']})  dead letters {counters['dead_letters']}"
+            + (f" ({failed} processing failed: see the log)" if failed else "")
+            + f"  duplicates {counters['duplicates']}  store retries {status['sink_failures']}")
 
     run_up(settings, on_ready=ready, on_status=progress, otlp_port=otlp_port)
 

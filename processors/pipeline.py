@@ -4,6 +4,10 @@ faust (``processors.app``) feeds it batches and writes what it returns; tests ca
 drive it directly. It never raises on bad input: what cannot be decoded becomes a
 dead letter (table row + dead-letter topic) with its reason, and is counted.
 
+An event the fold itself raises on (a loopwatch bug, or run state it cannot read)
+is a dead letter too, reason ``processing failed: ...``: the batch, the other runs and
+the partition's offsets go on, and ``loopwatch dlq replay`` re-applies it once fixed.
+
 Time is event time. The watermark is the newest event time seen minus the late
 allowance; when no event has arrived for ``idle_advance_s`` it follows the wall clock,
 so an idle fleet still abandons its stuck runs. An event stamped further ahead of the
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -27,12 +32,14 @@ from datetime import UTC, datetime
 from typing import Protocol
 
 from ingest.events import Annotation, EventBase, Label, LlmCall, RunStart, ToolCall
-from ingest.wire import DeadLetter, Decoded, decode_message
+from ingest.wire import DeadLetter, Decoded, decode_message, encode_event
 from loopwatch.config import Settings
 from processors import rows
 from processors.pricing import PriceTable, cost_mismatch
 from processors.runs import RunState, abandon_if_expired, apply_event, ms, new_state
 from processors.sink import RowBatch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +73,8 @@ class RunStore(Protocol):
         ...
 
 
+#: how much of an exception's message a dead letter's reason keeps
+REASON_CHARS = 300
 #: width of a deadline bucket (event-time ms): a sweep revisits at most one bucket's
 #: runs that are not due yet
 DEADLINE_BUCKET_MS = 10_000
@@ -83,6 +92,8 @@ class Counters:
     cost_mismatches: int = 0
     #: events stamped beyond the clock + max_clock_skew_s: kept, but event time ignores them
     future_events: int = 0
+    #: events the fold raised on, dead-lettered (also counted in ``dead_letters``)
+    processing_errors: int = 0
 
 
 @dataclass
@@ -148,8 +159,12 @@ class Pipeline:
             if decoded.events:
                 self.last_event_wall = self.clock()
             self._store_events(work, message, decoded, now)
-            for event in decoded.events:
-                self._handle_event(work, touched, message, event, now)
+            for position, event in enumerate(decoded.events):
+                try:
+                    self._handle_event(work, touched, message, event, now)
+                except Exception as exc:  # a bug must cost one event, not the pipeline
+                    letter_index = len(decoded.dead) + position
+                    self._processing_failed(work, message, letter_index, event, exc, now)
         return work
 
     @staticmethod
@@ -272,6 +287,27 @@ class Pipeline:
             rows.dead_letter_row(letter_id, source, letter.reason, letter.run_id,
                                  letter.payload, now),
         )
+
+    def _processing_failed(
+        self, work: Work, message: RawMessage, letter_index: int, event: EventBase,
+        exc: Exception, now: datetime,
+    ) -> None:
+        """Dead-letter an event the fold raised on, with the error as its reason.
+
+        The event is already in ``events`` (stored with its message). Unless the error
+        came from folding it into its run's state (pure arithmetic on validated fields:
+        only a damaged state can make that raise), the run has not seen it and a replay
+        is applied in full; otherwise the replay counts as a redelivery, so nothing is
+        counted twice. The first failures and every thousandth are logged with their
+        traceback; all are counted."""
+        self.counters.processing_errors += 1
+        failures = self.counters.processing_errors
+        if failures <= 10 or failures % 1000 == 0:
+            log.error("processing failed (%d so far) on event %s of run %s", failures,
+                      event.event_id, event.run_id, exc_info=exc)
+        reason = f"processing failed: {type(exc).__name__}: {str(exc)[:REASON_CHARS]}"
+        self._dead_letter(work, message, letter_index,
+                          DeadLetter(reason, encode_event(event), event.run_id), now)
 
     def _state_for(
         self, touched: dict[str, RunState], event: EventBase, partition: int, when: int

@@ -4,7 +4,8 @@ messages in, run state, rows and dead letters out; in-process, no broker.
 Thrown at it: random bytes, truncated and malformed JSON, wrong types in every field,
 huge fields, deep nesting, odd unicode (NUL, bidi overrides, BOM, non-characters, lone
 surrogate escapes), duplicates, out-of-order events, clock skew (epoch 0, far past, far
-future), bad envelopes. A known-good scripted run is fed among the garbage.
+future), bad envelopes, and a valid event the fold raises on (a planted bug). A
+known-good scripted run is fed among the garbage.
 
 What must hold: nothing raises; every message the pipeline reads yields its events or
 dead letters (each dead letter has a reason and a ``dead_letters`` row); the rows it
@@ -19,7 +20,7 @@ import random
 import re
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from loopwatch.config import Settings
 from loopwatch.reprocess import MemoryRunStore
 from loopwatch.store.cluster import render_cluster_ddl
 from processors.pipeline import Pipeline, RawMessage, Work
+from processors.pricing import PricedCall, PriceTable
 from processors.runs import RunState
 from processors.sink import ClickHouseSink, RowBatch, encode_rows
 from tests.conftest import raw_events
@@ -540,3 +542,54 @@ def test_an_epoch_ts_beyond_any_date_is_a_dead_letter_not_a_crash():
     work = new_harness().feed(
         [b'{"event_type": "step", "run_id": "r", "agent": "a", "step": 1, "ts": 1e300}'])
     assert [letter.reason[:16] for letter in work.dead] == ["schema violation"]
+
+
+BUGGY_MODEL = "gpt-4o"
+
+
+@dataclass(frozen=True)
+class PricesWithABug(PriceTable):
+    """Stands in for a loopwatch bug (the only fake in this module: no input is known
+    to make the fold raise, which is the point): pricing raises for one model."""
+
+    def cost(self, model: str, *args: Any, **kwargs: Any) -> PricedCall:
+        if model == BUGGY_MODEL:
+            raise ZeroDivisionError("planted bug")
+        return super().cost(model, *args, **kwargs)
+
+
+def test_an_event_the_fold_raises_on_is_a_dead_letter_and_is_applied_when_replayed(
+        hostile_db):
+    """An event whose processing raises is dead-lettered with the error as its reason and
+    counted; every other event of the batch, its own run's included, is folded, and all
+    of them are stored. Replayed once the bug is gone, it is applied exactly once."""
+    harness = new_harness()
+    shipped = PriceTable.load()
+    harness.pipeline.prices = PricesWithABug(
+        **{f.name: getattr(shipped, f.name) for f in fields(PriceTable)})
+    good_id, hit_id = f"good-{uuid.uuid4().hex}", f"hit-{uuid.uuid4().hex}"
+    hit_events = good_run(hit_id, "hostile-hit")
+    hit_events[5]["model"] = BUGGY_MODEL
+    values = [json_bytes(event) for event in good_run(good_id, "hostile-good") + hit_events]
+    work = harness.feed(values)
+
+    (letter,) = work.dead
+    assert letter.reason == "processing failed: ZeroDivisionError: planted bug"
+    assert letter.run_id == hit_id
+    assert orjson.loads(letter.payload)["event_id"] == hit_events[5]["event_id"]
+    assert harness.pipeline.counters.processing_errors == 1
+    assert len(raw_events(work.rows)) == len(values)
+    assert_good_row(latest_run_row(harness.rows, good_id), good_id)
+    hit = latest_run_row(harness.rows, hit_id)
+    assert (hit["outcome"], hit["steps"], hit["llm_calls"], hit["tool_calls"],
+            hit["input_tokens"]) == ("success", 2, 1, 1, 1000)
+
+    harness.pipeline.prices = shipped
+    harness.feed([letter.payload])
+    hit = latest_run_row(harness.rows, hit_id)
+    assert (hit["llm_calls"], hit["input_tokens"], hit["output_tokens"]) == (2, 2000, 200)
+    assert harness.pipeline.counters.duplicates == 0
+    assert insert_all(hostile_db, harness.rows) == len(harness.rows)
+    assert counts(hostile_db, "events", hit_id) == len(hit_events)
+    assert counts(hostile_db, "llm_calls", hit_id) == 2
+    assert stored_run(hostile_db, good_id) == GOOD_STORED

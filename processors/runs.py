@@ -107,8 +107,11 @@ class RunState:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunState:
-        """Also reads states written before the compact form (``seen`` as a list of ids)."""
-        values = dict(data)
+        """Also reads states written before the compact form (``seen`` as a list of ids),
+        and states a newer build wrote: fields this build does not know are left out, so
+        a rollback or a rolling deploy can still fold those runs (a field it lacks takes
+        its default)."""
+        values = {name: value for name, value in data.items() if name in _FIELD_NAMES}
         seen = values.get("seen") or ""
         if isinstance(seen, str):
             values["seen"] = _unpacked(base64.b64decode(seen))
@@ -148,6 +151,7 @@ class RunState:
 
 
 _FIELDS: tuple[str, ...] = tuple(f.name for f in fields(RunState))
+_FIELD_NAMES = frozenset(_FIELDS)
 #: the run's dimensions, copied from its events (see :func:`_take_dimensions`)
 DIMENSIONS = ("agent", "agent_version", "task_type", "model", "prompt_version",
               "deployment", "traffic_slice", "worker_id")

@@ -115,7 +115,7 @@ def test_the_stored_payload_is_the_event_less_its_columns_and_rebuilds_it_whole(
         exclude=generated)
 
 
-def test_run_state_round_trips_and_reads_the_older_list_of_seen_ids():
+def test_run_state_round_trips_and_reads_older_and_newer_builds_states():
     ids = [uuid.uuid4() for _ in range(3)]
     state = RunState(run_id="r", partition=2, agent="a")
     for event_id in ids:
@@ -125,6 +125,9 @@ def test_run_state_round_trips_and_reads_the_older_list_of_seen_ids():
     assert again.to_dict() == state.to_dict()
     older = dict(state.to_dict(), seen=[str(event_id) for event_id in ids])
     assert seen_ids(RunState.from_dict(older)) == [event_id.bytes for event_id in ids]
+    newer = dict(state.to_dict(), retries_by_tool={"search": 2})
+    del newer["loop_summary"]
+    assert RunState.from_dict(newer).to_dict() == state.to_dict()
 
 
 def test_run_states_share_their_dimension_strings_however_they_were_built():

@@ -179,6 +179,24 @@ def cpu_note(up_used: tuple[float, float], broker_used: float, events: int,
             "was up, so its consumer-group join adds a little")
 
 
+def ceiling_note(cpu_us_per_event: float, raw_rate: float, cores: int) -> str:
+    """What the machine's cores allow at a window's CPU per event, against the CPU per
+    event that 1/3 of the raw consumer's rate leaves (the ratio target).
+
+    >>> note = ceiling_note(30.0, 430_000, 2)
+    >>> note[note.index("2 cores"):note.index(" of raw")]
+    '2 cores carry at most 66.7k events/s (0.155'
+    >>> note[note.index("1/3"):]
+    '1/3 of raw (143.3k events/s) leaves 14.0 µs'
+    """
+    ceiling = cores * 1e6 / max(cpu_us_per_event, 1e-9)
+    needed = raw_rate / 3
+    return (f"CPU ceiling: at {cpu_us_per_event:.1f} µs of CPU per event (up and broker), "
+            f"{cores} cores carry at most {ceiling / 1e3:.1f}k events/s "
+            f"({ceiling / max(raw_rate, 1e-9):.3f} of raw); 1/3 of raw "
+            f"({needed / 1e3:.1f}k events/s) leaves {cores * 1e6 / max(needed, 1e-9):.1f} µs")
+
+
 def _pid(up: UpProcess) -> int:
     assert up.process is not None
     return up.process.pid
@@ -514,6 +532,9 @@ def run_bench(events: int, workers: int, query_events: int,
                 up_after, broker_after = cpu_seconds(pid), cpu_seconds(broker.pid or 0)[1]
                 note(cpu_note((up_after[0] - up_before[0], up_after[1] - up_before[1]),
                               broker_after - broker_before, sent, measured["seconds"]))
+                used = up_after[1] - up_before[1] + broker_after - broker_before
+                note(ceiling_note(used * 1e6 / max(sent, 1),
+                                  result["raw_consume_events_per_s"], os.cpu_count() or 1))
                 note(window_note("1 worker", measured, f"up pid {pid}"))
                 note("1 worker " + log_signals(data_one / "logs"))
                 result["pipeline_events_per_s"] = measured["rate"]

@@ -15,6 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from dashboards.web.server import serve_in_thread
 from ingest.redact import Redactor
@@ -175,6 +176,27 @@ def _fmt(value: float | None, percent: bool = False) -> str:
     return f"{value:.1%}" if percent else f"${value:.4f}"
 
 
+SEVERITY_STYLES = {"critical": "bold red", "warning": "yellow"}
+
+
+def alerts_list(alerts: list[dict[str, Any]]) -> Table:
+    """One entry per rule: severity, then the rule and its counts, its latest summary
+    and its playbook on lines of their own, so that no name is cut on 80 columns (as
+    table columns, rule and playbook names were cut to 12 characters)."""
+    listing = Table.grid(padding=(0, 2))
+    listing.title = "alerts raised (loopwatch alerts)"
+    listing.add_column(no_wrap=True)
+    listing.add_column()
+    for alert in alerts:
+        listing.add_row(
+            Text(alert["severity"], style=SEVERITY_STYLES.get(alert["severity"], "")),
+            Text.assemble((alert["rule"], "bold"),
+                          f"  {alert['episodes']} episodes, {alert['firing']} firing now\n",
+                          f"{alert['latest']}\n",
+                          (f"loopwatch playbook {alert['playbook']}", "dim")))
+    return listing
+
+
 def print_report(report: dict[str, Any], console: Console) -> None:
     """Agents as columns, so the report reads on an 80-column terminal."""
     agents = list(report["agents"])
@@ -206,13 +228,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         metrics.add_row(label, *(cell(entry) for entry in entries))
     console.print(metrics)
     if report.get("alerts"):
-        alerts = Table(title="alerts raised (loopwatch alerts; loopwatch playbook NAME)")
-        for column in ("severity", "rule", "episodes", "firing now", "latest", "playbook"):
-            alerts.add_column(column)
-        for alert in report["alerts"]:
-            alerts.add_row(alert["severity"], alert["rule"], str(alert["episodes"]),
-                           str(alert["firing"]), alert["latest"], alert["playbook"])
-        console.print(alerts)
+        console.print(alerts_list(report["alerts"]))
     capture = report.get("capture")
     if capture:
         ratio = capture["dedup_ratio"]
@@ -224,9 +240,11 @@ def print_report(report: dict[str, Any], console: Console) -> None:
             f"(dedup {'-' if ratio is None else f'{ratio:.1f}x'}; "
             f"{capture['disk_bytes'] / 1e6:.1f} MB on disk compressed)")
     data_dir = report["store"].removeprefix("chdb://").removesuffix("/chdb")
-    console.print(f"data: {report['store']}")
-    console.print(f"investigate: loopwatch investigate top_cost_runs --data-dir {data_dir}")
-    console.print(f"dashboards:  loopwatch serve --data-dir {data_dir}")
+    commands = [f"data: {report['store']}",
+                f"investigate: loopwatch investigate top_cost_runs --data-dir {data_dir}",
+                f"dashboards:  loopwatch serve --data-dir {data_dir}"]
     if capture and capture.get("example_run"):
-        console.print(f"replay:      loopwatch replay {capture['example_run']} "
-                      f"--data-dir {data_dir}")
+        commands.append(f"replay:      loopwatch replay {capture['example_run']} "
+                        f"--data-dir {data_dir}")
+    for line in commands:  # whole lines, so that a command copies in one piece
+        console.print(line, soft_wrap=True, highlight=False)

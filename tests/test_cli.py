@@ -97,3 +97,38 @@ def test_demo_reports_every_outcome_exactly_as_the_fleet_planned_it(tmp_path: Pa
     assert seen == set(OUTCOMES) - {"unknown"}
     assert report["runs"] == sum(e["runs"] for e in report["agents"].values())
     assert report["agents"]["sql-analyst"]["cache_hit_rate"] == 0.0  # its prompt never caches
+    printed = _printed_at_80_columns(report)
+    data_dir = tmp_path / "demo"
+    assert f"investigate: loopwatch investigate top_cost_runs --data-dir {data_dir}" in printed
+    assert f"dashboards:  loopwatch serve --data-dir {data_dir}" in printed
+
+
+def _printed_at_80_columns(report: dict[str, object]) -> list[str]:
+    """The demo's human report as an 80-column terminal shows it, line by line."""
+    from rich.console import Console
+
+    from loopwatch.demo import print_report
+
+    console = Console(width=80, record=True, color_system=None)
+    print_report(report, console)
+    return [line.rstrip() for line in console.export_text().splitlines()]
+
+
+def test_the_demo_lists_alerts_with_whole_names_on_80_columns():
+    """Rule and playbook names are what a reader types next (``loopwatch playbook``):
+    none may be cut, however long the summary."""
+    from rich.console import Console
+
+    from loopwatch.demo import alerts_list
+
+    console = Console(width=80, record=True, color_system=None)
+    console.print(alerts_list([
+        {"severity": "warning", "rule": "tool_error_rate_warning", "episodes": 3,
+         "firing": 2, "latest": "lookup_ticket failed on 5.1% of 78 calls in the last 15m",
+         "playbook": "retry_storm_permanent_error"}]))
+    lines = [line.rstrip() for line in console.export_text().splitlines()]
+    assert lines[1:] == [
+        "warning  tool_error_rate_warning  3 episodes, 2 firing now",
+        "         lookup_ticket failed on 5.1% of 78 calls in the last 15m",
+        "         loopwatch playbook retry_storm_permanent_error",
+    ]

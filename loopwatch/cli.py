@@ -11,9 +11,9 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from loopwatch.cliargs import DataDir, JsonFlag, console, settings_from
+from loopwatch.render import fitted
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Streaming observability and anomaly detection for LLM agent fleets.")
@@ -26,12 +26,7 @@ out = Console()
 
 
 def print_table(columns: list[str], rows: list[list[Any]], title: str | None = None) -> None:
-    table = Table(title=title)
-    for column in columns:
-        table.add_column(column)
-    for row in rows:
-        table.add_row(*("" if value is None else str(value) for value in row))
-    out.print(table)
+    out.print(fitted(out, columns, rows, title))
 
 
 @app.command()

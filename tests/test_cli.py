@@ -132,3 +132,41 @@ def test_the_demo_lists_alerts_with_whole_names_on_80_columns():
         "         lookup_ticket failed on 5.1% of 78 calls in the last 15m",
         "         loopwatch playbook retry_storm_permanent_error",
     ]
+
+
+def test_a_result_wider_than_the_terminal_is_shown_as_whole_records():
+    """At 80 columns a table would cut the run id and outcome; records keep every value
+    whole. At 200 the same result is a table."""
+    from rich.console import Console
+
+    from loopwatch.render import fitted
+
+    columns = ["run_id", "agent", "outcome", "steps", "tool_calls", "cost_usd"]
+    rows = [["58765393e407ae63b787af21a7c8b91b", "research-agent", "budget_exhausted", 14,
+             14, 1.1948], ["edf92beef31c", "sql-analyst", None, 3, 0, 0.0801]]
+
+    def shown(width: int) -> list[str]:
+        console = Console(width=width, record=True, color_system=None)
+        console.print(fitted(console, columns, rows, title="top"))
+        return [line.rstrip() for line in console.export_text().splitlines()]
+
+    assert shown(80) == [
+        "top",
+        "record 1 " + "─" * 71,
+        "run_id      58765393e407ae63b787af21a7c8b91b",
+        "agent       research-agent",
+        "outcome     budget_exhausted",
+        "steps       14",
+        "tool_calls  14",
+        "cost_usd    1.1948",
+        "record 2 " + "─" * 71,
+        "run_id      edf92beef31c",
+        "agent       sql-analyst",
+        "outcome",
+        "steps       3",
+        "tool_calls  0",
+        "cost_usd    0.0801",
+    ]
+    (first_row,) = [line for line in shown(200) if "58765393" in line]
+    assert first_row.split("│")[1:4] == [" 58765393e407ae63b787af21a7c8b91b ", " research-agent ",
+                                        " budget_exhausted "]

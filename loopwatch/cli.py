@@ -204,7 +204,7 @@ def playbook(
         console.print(f"[red]unknown playbook {name!r}[/red]; one of: {', '.join(books)}")
         raise typer.Exit(2)
     chosen = books[name]
-    out.print(render_markdown(chosen))
+    out.print(render_markdown(chosen), markup=False, highlight=False, soft_wrap=True)
     reader = open_reader(settings_from(data_dir))
     now = datetime.now(UTC)
     values = {"agent": agent, "tool": tool, "run_id": run_id,

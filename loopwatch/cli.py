@@ -50,7 +50,7 @@ def up(
 
     def progress(status: dict[str, Any]) -> None:
         counters = status["counters"]
-        failed = counters.get("processing_errors", 0)
+        failed = counters["processing_errors"]
         console.print(
             f"{datetime.now().strftime('%H:%M:%S')}  events {counters['events']}  "
             f"runs closed {counters['runs_closed']} (abandoned {counters['runs_abandoned']}, "

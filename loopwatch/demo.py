@@ -179,6 +179,13 @@ def _fmt(value: float | None, percent: bool = False) -> str:
 SEVERITY_STYLES = {"critical": "bold red", "warning": "yellow"}
 
 
+def _count(number: int, noun: str) -> str:
+    """>>> _count(1, "episode"), _count(3, "episode")
+    ('1 episode', '3 episodes')
+    """
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
 def alerts_list(alerts: list[dict[str, Any]]) -> Table:
     """One entry per rule: severity, then the rule and its counts, its latest summary
     and its playbook on lines of their own, so that no name is cut on 80 columns (as
@@ -191,7 +198,8 @@ def alerts_list(alerts: list[dict[str, Any]]) -> Table:
         listing.add_row(
             Text(alert["severity"], style=SEVERITY_STYLES.get(alert["severity"], "")),
             Text.assemble((alert["rule"], "bold"),
-                          f"  {alert['episodes']} episodes, {alert['firing']} firing now\n",
+                          f"  {_count(alert['episodes'], 'episode')}, "
+                          f"{alert['firing']} firing now\n",
                           f"{alert['latest']}\n",
                           (f"loopwatch playbook {alert['playbook']}", "dim")))
     return listing

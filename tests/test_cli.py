@@ -136,12 +136,19 @@ def test_the_demo_lists_alerts_with_whole_names_on_80_columns():
     console.print(alerts_list([
         {"severity": "warning", "rule": "tool_error_rate_warning", "episodes": 3,
          "firing": 2, "latest": "lookup_ticket failed on 5.1% of 78 calls in the last 15m",
-         "playbook": "retry_storm_permanent_error"}]))
+         "playbook": "retry_storm_permanent_error"},
+        {"severity": "warning", "rule": "near_miss_high", "episodes": 1, "firing": 0,
+         "latest": "60% of web_search's 5 timeouts would have finished within 1.3x the "
+                   "timeout", "playbook": "timeout_miscalibration"}]))
     lines = [line.rstrip() for line in console.export_text().splitlines()]
     assert lines[1:] == [
         "warning  tool_error_rate_warning  3 episodes, 2 firing now",
         "         lookup_ticket failed on 5.1% of 78 calls in the last 15m",
         "         loopwatch playbook retry_storm_permanent_error",
+        "warning  near_miss_high  1 episode, 0 firing now",
+        "         60% of web_search's 5 timeouts would have finished within 1.3x the",
+        "         timeout",
+        "         loopwatch playbook timeout_miscalibration",
     ]
 
 

@@ -180,7 +180,9 @@ SEVERITY_STYLES = {"critical": "bold red", "warning": "yellow"}
 
 
 def _count(number: int, noun: str) -> str:
-    """>>> _count(1, "episode"), _count(3, "episode")
+    """The number and the noun, plural unless the number is 1.
+
+    >>> _count(1, "episode"), _count(3, "episode")
     ('1 episode', '3 episodes')
     """
     return f"{number} {noun}{'' if number == 1 else 's'}"

@@ -19,9 +19,11 @@ step, Sonnet-class $3/MTok): $0.396 uncached, about $0.174 cached.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +39,21 @@ class PricedCall:
     known_model: bool
 
 
+def _dollars(value: Any, where: str) -> float:
+    """A price or multiplier as read from the table: a finite number >= 0.
+
+    >>> _dollars(3, "m.input")
+    3.0
+    >>> _dollars("3.0", "m.input")
+    Traceback (most recent call last):
+    ValueError: m.input must be a number >= 0, not '3.0'
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float) \
+            or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{where} must be a number >= 0, not {value!r}")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class PriceTable:
     version: str
@@ -48,17 +65,30 @@ class PriceTable:
 
     @classmethod
     def load(cls, path: Path | None = None) -> PriceTable:
-        """The shipped table (``processors/prices.json``), or the one at ``path``."""
+        """The shipped table (``processors/prices.json``), or the one at ``path``.
+
+        Every price and multiplier must be a number >= 0, else this raises naming it: a
+        quoted number loaded as it was would make pricing raise on every call of that
+        model, each a dead letter, instead of the processor refusing to start."""
         source = path or resources.files("processors").joinpath("prices.json")
+        name = str(path or "processors/prices.json")
         data = json.loads(source.read_text())
         multipliers = data["cache_multipliers"]
+
+        def price(model: str, entry: dict[str, Any]) -> Price:
+            return Price(input=_dollars(entry.get("input"), f"{name}: {model}.input"),
+                         output=_dollars(entry.get("output"), f"{name}: {model}.output"))
+
+        def multiplier(key: str) -> float:
+            return _dollars(multipliers.get(key), f"{name}: cache_multipliers.{key}")
+
         return cls(
             version=str(data["version"]),
-            default=Price(**data["default"]),
-            models={name: Price(**price) for name, price in data["models"].items()},
-            write_5m=float(multipliers["write_5m"]),
-            write_1h=float(multipliers["write_1h"]),
-            read=float(multipliers["read"]),
+            default=price("default", data["default"]),
+            models={model: price(model, entry) for model, entry in data["models"].items()},
+            write_5m=multiplier("write_5m"),
+            write_1h=multiplier("write_1h"),
+            read=multiplier("read"),
         )
 
     def cost(

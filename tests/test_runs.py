@@ -128,3 +128,23 @@ def test_abandonment_ttl_follows_task_type_then_the_declared_time_cap():
     assert pipeline.abandon_ttl_ms(capped) == 60_000
     assert pipeline.abandon_ttl_ms(fold(ev(RunStart))) == 100_000
     assert pipeline.abandon_ttl_ms(fold(ev(RunStart, task_type="batch", time_cap_s=30))) == 7_000
+
+
+def test_a_price_table_with_a_price_that_is_no_number_is_refused_naming_it(tmp_path):
+    """A quoted number would load, then make pricing raise on every call of that model."""
+    import json
+    from pathlib import Path
+
+    from processors.pricing import PriceTable
+
+    shipped = json.loads((Path(__file__).parent.parent / "processors/prices.json").read_text())
+    for model, field, bad in (("gpt-4o", "input", "2.5"), ("default", "output", None)):
+        table = json.loads(json.dumps(shipped))
+        entry = table["default"] if model == "default" else table["models"][model]
+        entry[field] = bad
+        path = tmp_path / f"{model}.json"
+        path.write_text(json.dumps(table))
+        with pytest.raises(ValueError) as refused:
+            PriceTable.load(path)
+        assert str(refused.value) == f"{path}: {model}.{field} must be a number >= 0, not {bad!r}"
+    assert PriceTable.load().models["gpt-4o"].input == shipped["models"]["gpt-4o"]["input"]

@@ -4,9 +4,10 @@ faust (``processors.app``) feeds it batches and writes what it returns; tests ca
 drive it directly. It never raises on bad input: what cannot be decoded becomes a
 dead letter (table row + dead-letter topic) with its reason, and is counted.
 
-An event the fold itself raises on (a loopwatch bug, or run state it cannot read)
-is a dead letter too, reason ``processing failed: ...``: the batch, the other runs and
-the partition's offsets go on, and ``loopwatch dlq replay`` re-applies it once fixed.
+An event the fold itself raises on (a loopwatch bug, or run state it cannot read), or a
+message whose events cannot be stored, is a dead letter too, reason ``processing
+failed: ...``: the batch, the other runs and the partition's offsets go on, and
+``loopwatch dlq replay`` re-applies it once fixed.
 
 Time is event time. The watermark is the newest event time seen minus the late
 allowance; when no event has arrived for ``idle_advance_s`` it follows the wall clock,
@@ -92,7 +93,8 @@ class Counters:
     cost_mismatches: int = 0
     #: events stamped beyond the clock + max_clock_skew_s: kept, but event time ignores them
     future_events: int = 0
-    #: events the fold raised on, dead-lettered (also counted in ``dead_letters``)
+    #: events (or whole messages) the processors raised on, dead-lettered (also counted
+    #: in ``dead_letters``)
     processing_errors: int = 0
 
 
@@ -158,13 +160,19 @@ class Pipeline:
                 self._dead_letter(work, message, index, letter, now)
             if decoded.events:
                 self.last_event_wall = self.clock()
-            self._store_events(work, message, decoded, now)
-            for position, event in enumerate(decoded.events):
+            letter_index = len(decoded.dead)
+            try:
+                self._store_events(work, message, decoded, now)
+            except Exception as exc:  # none of its events is stored, so none is folded
+                self._processing_failed(work, message, letter_index, exc, now,
+                                        message.value or b"")
+                continue
+            for position, event in enumerate(decoded.events, start=letter_index):
                 try:
                     self._handle_event(work, touched, message, event, now)
                 except Exception as exc:  # a bug must cost one event, not the pipeline
-                    letter_index = len(decoded.dead) + position
-                    self._processing_failed(work, message, letter_index, event, exc, now)
+                    self._processing_failed(work, message, position, exc, now,
+                                            encode_event(event), event.run_id)
         return work
 
     @staticmethod
@@ -288,26 +296,26 @@ class Pipeline:
                                  letter.payload, now),
         )
 
-    def _processing_failed(
-        self, work: Work, message: RawMessage, letter_index: int, event: EventBase,
-        exc: Exception, now: datetime,
-    ) -> None:
-        """Dead-letter an event the fold raised on, with the error as its reason.
+    def _processing_failed(self, work: Work, message: RawMessage, letter_index: int,
+                           exc: Exception, now: datetime, payload: bytes,
+                           run_id: str = "") -> None:
+        """Dead-letter what the processors raised on, with the error as its reason:
+        ``payload`` is a message none of whose events could be stored (its raw bytes),
+        or an event the fold failed on (its JSON; the event is already in ``events``).
 
-        The event is already in ``events`` (stored with its message). Unless the error
-        came from folding it into its run's state (pure arithmetic on validated fields:
-        only a damaged state can make that raise), the run has not seen it and a replay
-        is applied in full; otherwise the replay counts as a redelivery, so nothing is
-        counted twice. The first failures and every thousandth are logged with their
-        traceback; all are counted."""
+        Unless the error came from folding an event into its run's state (pure
+        arithmetic on validated fields: only a damaged state can make that raise), the
+        run has not seen it and a replay is applied in full; otherwise the replay counts
+        as a redelivery, so nothing is counted twice. The first failures and every
+        thousandth are logged with their traceback; all are counted."""
         self.counters.processing_errors += 1
         failures = self.counters.processing_errors
         if failures <= 10 or failures % 1000 == 0:
-            log.error("processing failed (%d so far) on event %s of run %s", failures,
-                      event.event_id, event.run_id, exc_info=exc)
+            log.error("processing failed (%d so far) on %s:%d:%d, run %r", failures,
+                      message.topic, message.partition, message.offset, run_id, exc_info=exc)
         reason = f"processing failed: {type(exc).__name__}: {str(exc)[:REASON_CHARS]}"
-        self._dead_letter(work, message, letter_index,
-                          DeadLetter(reason, encode_event(event), event.run_id), now)
+        self._dead_letter(work, message, letter_index, DeadLetter(reason, payload, run_id),
+                          now)
 
     def _state_for(
         self, touched: dict[str, RunState], event: EventBase, partition: int, when: int

@@ -2,10 +2,11 @@
 messages in, run state, rows and dead letters out; in-process, no broker.
 
 Thrown at it: random bytes, truncated and malformed JSON, wrong types in every field,
-huge fields, deep nesting, odd unicode (NUL, bidi overrides, BOM, non-characters, lone
-surrogate escapes), duplicates, out-of-order events, clock skew (epoch 0, far past, far
-future), bad envelopes, and a valid event the fold raises on (a planted bug). A
-known-good scripted run is fed among the garbage.
+integers beyond 64 bits, huge fields, deep nesting, odd unicode (NUL, bidi overrides,
+BOM, non-characters, lone surrogate escapes), duplicates, out-of-order events, clock
+skew (epoch 0, far past, far future), bad envelopes, a message whose events cannot be
+stored, and a valid event the fold raises on (a planted bug). A known-good scripted run
+is fed among the garbage.
 
 What must hold: nothing raises; every message the pipeline reads yields its events or
 dead letters (each dead letter has a reason and a ``dead_letters`` row); the rows it
@@ -66,12 +67,11 @@ RAW_GARBAGE = [
     b'{"event_type": "step", "run_id": "r", "agent": "a", "step": 1, "step": 2}',
 ]
 
-#: Integers stay within +-2**53: an unbounded count (2**64 tokens) hits the 64-bit bug
-#: (see the xfail test below).
+#: Integers reach +-2**70, past 64 bits either way, in known fields and in extras alike.
 #: Nesting inside an event stays below 255 levels here: deeper ones have a test of their
 #: own below; deeper than 1024 is malformed JSON.
-#: Epoch milliseconds and ISO strings for ``ts``: skewed clocks and nonsense. Numbers
-#: stay below 1e17 ms: larger ones hit the OverflowError bug (see the xfail test below).
+#: Epoch milliseconds and ISO strings for ``ts``: skewed clocks and nonsense; an epoch
+#: beyond any date has a test of its own below.
 #: The generators skew clocks into the past and up to an hour ahead; far-future stamps
 #: move the watermark and have tests of their own (see the clock-skew tests below).
 HOUR_MS = 3_600_000
@@ -150,7 +150,7 @@ def nested_bytes(depth: int) -> bytes:
 
 
 json_scalars = (st.none() | st.booleans()
-                | st.integers(min_value=-(2**53), max_value=2**53)
+                | st.integers(min_value=-(2**70), max_value=2**70)
                 | st.floats(min_value=-1e17, max_value=1e17, allow_nan=False)
                 | st.text(max_size=30) | st.sampled_from(ODD_STRINGS))
 json_values = st.recursive(
@@ -523,6 +523,42 @@ def test_a_count_beyond_64_bits_is_a_dead_letter_not_a_crash():
     work = new_harness().feed([json_bytes(
         {"event_type": "llm.call", "run_id": "r", "agent": "a", "input_tokens": 2**64})])
     assert len(work.dead) == 1
+
+
+def test_an_extra_integer_beyond_64_bits_is_stored_digit_for_digit(hostile_db):
+    """An unknown field holding such an integer (a 30-digit id) made storing its message
+    raise (orjson writes 64 bits at most), and the batch with it, stalling the partition.
+    It is stored as sent, next to the 64-bit bounds."""
+    values = [2**64 - 1, -(2**63), 2**64, 123456789012345678901234567890]
+    harness = new_harness()
+    work = harness.feed([json_bytes({"event_type": "step", "run_id": "big-ints", "agent": "a",
+                                     "step": 1, "x": value}) for value in values])
+    assert work.dead == []
+    insert_all(hostile_db, harness.rows)
+    stored = hostile_db.query(f"SELECT payload, extras['x'] FROM {HOSTILE_DB}.events "
+                              "WHERE run_id = 'big-ints' ORDER BY kafka_offset").result_rows
+    assert [extra for _, extra in stored] == [str(value) for value in values]
+    assert [orjson.loads(payload)["x"] for payload, _ in stored[:2]] == values[:2]
+    assert [payload.endswith(f'"x":{value}}}') for (payload, _), value in
+            zip(stored, values, strict=True)] == [True] * 4
+
+
+def test_a_message_that_cannot_be_stored_is_a_dead_letter_and_the_batch_goes_on():
+    """Past 64 bits the standard library writes the extras, and it refuses an infinite
+    float (``1e400`` parses as one): that message's events cannot be stored, so it is
+    dead-lettered whole, with the error, and none of its events is folded."""
+    harness = new_harness()
+    good_id = f"good-{uuid.uuid4().hex}"
+    unstorable = json_bytes({"event_type": "step", "run_id": "unstorable", "agent": "a",
+                             "step": 1, "x": [2**64, 1.0]}).replace(b"1.0]", b"1e400]")
+    work = harness.feed([unstorable, *(json_bytes(event)
+                                       for event in good_run(good_id, "hostile-good"))])
+    assert [(letter.reason, letter.payload) for letter in work.dead] == [
+        ("processing failed: ValueError: Out of range float values are not JSON compliant",
+         unstorable)]
+    assert harness.pipeline.counters.processing_errors == 1
+    assert harness.pipeline.store.get("unstorable") is None
+    assert_good_row(latest_run_row(harness.rows, good_id), good_id)
 
 
 def test_messages_nested_beyond_the_parser_limit_are_dead_letters():

@@ -64,7 +64,7 @@ from ingest.events import (
 )
 from ingest.redact import Redactor
 from ingest.spool import DiskSpool
-from ingest.wire import ENVELOPE_VERSION
+from ingest.wire import ENVELOPE_VERSION, exact_json
 
 #: ``{"envelope_version":1,"events":[...]}`` around a message's events
 ENVELOPE_OVERHEAD_BYTES = 64
@@ -239,7 +239,7 @@ class Emitter:
             return
         data = event.model_dump(mode="json", exclude_none=True)
         self._redact_fields(event, data)
-        self._enqueue([orjson.dumps(data)])
+        self._enqueue([exact_json(data)])
 
     def _redact_fields(self, event: EventBase, data: dict[str, Any]) -> None:
         """Redact the strings of an event's extras and free-text fields in place."""

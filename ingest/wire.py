@@ -21,6 +21,7 @@ original per-event route decides and words every dead letter exactly as before.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,13 +75,28 @@ _ENVELOPE = msgspec.json.Decoder(_Envelope)
 _EVENT_LIST: TypeAdapter[list[Event]] = TypeAdapter(list[Event])
 
 
+def exact_json(value: Any) -> bytes:
+    """``value`` as JSON, with orjson, or with the standard library when it holds an
+    integer beyond 64 bits (which orjson refuses and pydantic keeps as it was given in
+    an unknown field, e.g. a 30-digit id): such a number travels digit for digit.
+
+    >>> exact_json({"id": 123456789012345678901234567890, "name": "é"})
+    b'{"id":123456789012345678901234567890,"name":"\xc3\xa9"}'
+    """
+    try:
+        return orjson.dumps(value)
+    except TypeError:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False,
+                          separators=(",", ":")).encode()
+
+
 def encode_event(event: EventBase) -> bytes:
-    return orjson.dumps(event.model_dump(mode="json", exclude_none=True))
+    return exact_json(event.model_dump(mode="json", exclude_none=True))
 
 
 def encode_envelope(events: list[EventBase]) -> bytes:
     """One message for many events; use :func:`encode_event` for a single one."""
-    return orjson.dumps(
+    return exact_json(
         {
             "envelope_version": ENVELOPE_VERSION,
             "events": [event.model_dump(mode="json", exclude_none=True) for event in events],

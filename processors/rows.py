@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from datetime import UTC, datetime
 from typing import Any
 
 import orjson
 
 from ingest.events import Annotation, EventBase, Label, LlmCall, ToolCall
+from ingest.wire import exact_json
 from processors.pricing import PricedCall
 from processors.runs import RunState
 
@@ -70,22 +70,8 @@ def validated_events_json(events: list[EventBase]) -> tuple[bytes, list[dict[str
     for event in events:
         extra = event.__pydantic_extra__ or {}
         dumped.append(event.model_dump(mode="json", exclude=set(extra)))
-        extras.append({key: extra_json(value) for key, value in extra.items()})
+        extras.append({key: exact_json(value).decode() for key, value in extra.items()})
     return orjson.dumps(dumped), extras
-
-
-def extra_json(value: Any) -> str:
-    """An unknown field's value as JSON, exactly: orjson writes integers up to 64 bits,
-    and pydantic keeps a bigger one from the input as it was (a 30-digit id, say), which
-    the standard library writes digit for digit.
-
-    >>> extra_json({"id": 123456789012345678901234567890}), extra_json([1.5, "é"])
-    ('{"id":123456789012345678901234567890}', '[1.5,"é"]')
-    """
-    try:
-        return orjson.dumps(value).decode()
-    except TypeError:
-        return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
 def event_json(columns: dict[str, Any], payload: str | bytes) -> bytes:

@@ -100,6 +100,22 @@ def test_broker_unreachable_events_spool_and_are_resent_once_it_is_back(tmp_path
     assert emitter.spool.size() == 0
 
 
+def test_an_extra_integer_beyond_64_bits_is_sent_digit_for_digit(broker, tmp_path: Path):
+    """emit() raised TypeError in the agent's own code for such an unknown field (a
+    30-digit id); it now travels exactly, with the events around it."""
+    topic = f"sdk-{uuid.uuid4().hex[:8]}"
+    create_topic(broker.bootstrap, topic, partitions=1)
+    big = 123456789012345678901234567890
+    with Emitter(broker.bootstrap, topic, tmp_path) as emitter:
+        for step, extra in ((1, {}), (2, {"order_id": big}), (3, {})):
+            emitter.emit(Step(run_id="big", agent="a", step=step, **extra))
+    (message,) = read_to_end(broker.bootstrap, topic)
+    assert b'"order_id":123456789012345678901234567890' in message.value
+    events = decode_message(message.value, 10_000_000).events
+    assert [(event.step, event.model_extra) for event in events] == [
+        (1, {}), (2, {"order_id": big}), (3, {})]
+
+
 def test_invalid_fields_raise_at_the_call_site(broker, tmp_path: Path):
     with Emitter(broker.bootstrap, "unused", tmp_path) as emitter:
         with emitter.run(agent="a") as run, pytest.raises(ValidationError, match="output"):

@@ -137,6 +137,20 @@ def test_a_span_time_beyond_any_date_is_dead_lettered():
     assert len(batch.unmapped) == 1
 
 
+def test_an_int_value_beyond_int64_costs_its_span_with_the_reason():
+    """OTLP's intValue is an int64: in JSON, where nothing stops a bigger one, it is
+    refused for its span, as a protobuf body could not carry it."""
+    spans = [dict(GOOD_SPAN, attributes=[{"key": "order", "value": {"intValue": value}}])
+             for value in ("9223372036854775807", "9223372036854775808", str(-(2**63) - 1))]
+    decoded = decode_json(orjson.dumps({"resourceSpans": [{"scopeSpans": [{"spans": spans}]}]}))
+    assert [span.attributes["order"] for span in decoded.spans] == [2**63 - 1]
+    assert [bad.reason for bad in decoded.bad] == [
+        "resourceSpans[0].scopeSpans[0].spans[1]: intValue '9223372036854775808' is "
+        "outside int64",
+        "resourceSpans[0].scopeSpans[0].spans[2]: intValue '-9223372036854775809' is "
+        "outside int64"]
+
+
 @pytest.fixture(scope="module")
 def hostile_receiver(broker, pipeline, tmp_path_factory) -> Iterator[OtlpReceiver]:
     folder: Path = tmp_path_factory.mktemp("hostile-otlp")

@@ -26,6 +26,10 @@ STATUS_UNSET, STATUS_OK, STATUS_ERROR = 0, 1, 2
 _STATUS_NAMES = {"STATUS_CODE_UNSET": 0, "STATUS_CODE_OK": 1, "STATUS_CODE_ERROR": 2}
 
 
+#: the protobuf integer types OTLP uses, as (lowest, highest)
+_INT_RANGES = {"int64": (-(2**63), 2**63 - 1), "fixed64": (0, 2**64 - 1)}
+
+
 class PayloadError(ValueError):
     """The request body is not an OTLP trace request; the message says why."""
 
@@ -171,17 +175,29 @@ def _json_id(value: Any, size: int, what: str) -> str:
                      f"{size} bytes")
 
 
-def _json_int(value: Any, what: str) -> int:
-    """int64 fields are decimal strings in OTLP/JSON; plain numbers are accepted too."""
+def _json_int(value: Any, what: str, kind: str = "int64") -> int:
+    """64-bit fields are decimal strings in OTLP/JSON; plain numbers are accepted too.
+    A value outside the field's protobuf type (``int64``, or ``fixed64`` for times) is
+    refused, as a protobuf body could not carry it.
+
+    >>> _json_int("-9223372036854775808", "intValue"), _json_int(2**64 - 1, "t", "fixed64")
+    (-9223372036854775808, 18446744073709551615)
+    >>> _json_int("9223372036854775808", "intValue")
+    Traceback (most recent call last):
+    ValueError: intValue '9223372036854775808' is outside int64
+    """
     if isinstance(value, bool):
         raise ValueError(f"{what} is not an integer: {value!r}")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str) and value.lstrip("-").isdigit():
-        return int(value)
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    raise ValueError(f"{what} is not an integer: {value!r}")
+    integral = isinstance(value, int) \
+        or (isinstance(value, str) and value.lstrip("-").isdigit()) \
+        or (isinstance(value, float) and value.is_integer())
+    if not integral:
+        raise ValueError(f"{what} is not an integer: {value!r}")
+    number = int(value)
+    low, high = _INT_RANGES[kind]
+    if not low <= number <= high:
+        raise ValueError(f"{what} {value!r:.40} is outside {kind}")
+    return number
 
 
 def _json_value(value: Any) -> Any:
@@ -239,7 +255,8 @@ def _json_span(raw: Any, resource: dict[str, Any], scope: str) -> Span:
     for event in _get(raw, "events", "events", []):
         events.append(SpanEvent(
             str(event.get("name", "")),
-            _json_int(_get(event, "timeUnixNano", "time_unix_nano", 0), "timeUnixNano"),
+            _json_int(_get(event, "timeUnixNano", "time_unix_nano", 0), "timeUnixNano",
+                      "fixed64"),
             _json_attributes(event.get("attributes", [])),
         ))
     code, message = _json_status(raw.get("status"))
@@ -251,9 +268,9 @@ def _json_span(raw: Any, resource: dict[str, Any], scope: str) -> Span:
                                 "parentSpanId"),
         name=str(raw.get("name", "")),
         start_ns=_json_int(_get(raw, "startTimeUnixNano", "start_time_unix_nano", 0),
-                           "startTimeUnixNano"),
+                           "startTimeUnixNano", "fixed64"),
         end_ns=_json_int(_get(raw, "endTimeUnixNano", "end_time_unix_nano", 0),
-                         "endTimeUnixNano"),
+                         "endTimeUnixNano", "fixed64"),
         attributes=_json_attributes(raw.get("attributes", [])),
         resource=resource, scope=scope, status_code=code, status_message=message,
         kind=kind if isinstance(kind, int) else 0, events=events,

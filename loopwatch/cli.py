@@ -18,7 +18,7 @@ from loopwatch.render import fitted
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Streaming observability and anomaly detection for LLM agent fleets.")
 dlq_app = typer.Typer(no_args_is_help=True,
-                    help="Dead letters: input the pipeline refused or failed on.")
+                      help="Dead letters: input the pipeline refused or failed on.")
 app.add_typer(dlq_app, name="dlq")
 scenario_app = typer.Typer(no_args_is_help=True,
                            help="Incident scenarios: inject failure modes, score the alerting.")

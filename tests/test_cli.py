@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
 import pytest
+from rich.console import Console
 
 from ingest.events import OUTCOMES
 
@@ -116,31 +118,30 @@ def test_demo_reports_every_outcome_exactly_as_the_fleet_planned_it(tmp_path: Pa
 
 def _printed_at_80_columns(report: dict[str, object]) -> list[str]:
     """The demo's human report as an 80-column terminal shows it, line by line."""
-    from rich.console import Console
-
     from loopwatch.demo import print_report
 
-    console = Console(width=80, record=True, color_system=None)
-    print_report(report, console)
+    return _shown(lambda console: print_report(report, console))
+
+
+def _shown(draw: Callable[[Console], object], width: int = 80) -> list[str]:
+    """What ``draw`` prints on a terminal ``width`` columns wide, line by line."""
+    console = Console(width=width, record=True, color_system=None)
+    draw(console)
     return [line.rstrip() for line in console.export_text().splitlines()]
 
 
 def test_the_demo_lists_alerts_with_whole_names_on_80_columns():
     """Rule and playbook names are what a reader types next (``loopwatch playbook``):
     none may be cut, however long the summary."""
-    from rich.console import Console
-
     from loopwatch.demo import alerts_list
 
-    console = Console(width=80, record=True, color_system=None)
-    console.print(alerts_list([
+    lines = _shown(lambda console: console.print(alerts_list([
         {"severity": "warning", "rule": "tool_error_rate_warning", "episodes": 3,
          "firing": 2, "latest": "lookup_ticket failed on 5.1% of 78 calls in the last 15m",
          "playbook": "retry_storm_permanent_error"},
         {"severity": "warning", "rule": "near_miss_high", "episodes": 1, "firing": 0,
          "latest": "60% of web_search's 5 timeouts would have finished within 1.3x the "
-                   "timeout", "playbook": "timeout_miscalibration"}]))
-    lines = [line.rstrip() for line in console.export_text().splitlines()]
+                   "timeout", "playbook": "timeout_miscalibration"}])))
     assert lines[1:] == [
         "warning  tool_error_rate_warning  3 episodes, 2 firing now",
         "         lookup_ticket failed on 5.1% of 78 calls in the last 15m",
@@ -155,8 +156,6 @@ def test_the_demo_lists_alerts_with_whole_names_on_80_columns():
 def test_a_result_wider_than_the_terminal_is_shown_as_whole_records():
     """At 80 columns a table would cut the run id and outcome; records keep every value
     whole. At 200 the same result is a table."""
-    from rich.console import Console
-
     from loopwatch.render import fitted
 
     columns = ["run_id", "agent", "outcome", "steps", "tool_calls", "cost_usd"]
@@ -164,9 +163,8 @@ def test_a_result_wider_than_the_terminal_is_shown_as_whole_records():
              14, 1.1948], ["edf92beef31c", "sql-analyst", None, 3, 0, 0.0801]]
 
     def shown(width: int) -> list[str]:
-        console = Console(width=width, record=True, color_system=None)
-        console.print(fitted(console, columns, rows, title="top"))
-        return [line.rstrip() for line in console.export_text().splitlines()]
+        return _shown(lambda console: console.print(fitted(console, columns, rows,
+                                                           title="top")), width)
 
     assert shown(80) == [
         "top",

@@ -35,7 +35,7 @@ from faust.types import TP
 from ingest.events import EventBase, RunStart
 from ingest.wire import encode_envelope
 from loopwatch.config import Settings
-from processors.app import TableRunStore
+from processors.app import KafkaWrites, TableRunStore
 from processors.pipeline import Pipeline, RawMessage
 
 ENVELOPE_EVENTS = 200
@@ -80,7 +80,7 @@ def heap_per_open_run(runs: int = 20_000) -> float:
     """Bytes of Python heap each of ``runs`` open runs keeps (two batches)."""
     settings = Settings(data_dir=Path("/nonexistent-bench"))
     app: Any = _OnePartitionApp()
-    store = TableRunStore(_ChangelogFreeTable(), app, topic="bench")
+    store = TableRunStore(_ChangelogFreeTable(), app, "bench", KafkaWrites(retry_s=1.0))
     pipeline = Pipeline(settings, store)
 
     def fold(messages: list[RawMessage]) -> None:

@@ -57,7 +57,8 @@ def up(
             f"runs closed {counters['runs_closed']} (abandoned {counters['runs_abandoned']}, "
             f"revised {counters['runs_revised']})  dead letters {counters['dead_letters']}"
             + (f" ({failed} processing failed: see the log)" if failed else "")
-            + f"  duplicates {counters['duplicates']}  store retries {status['sink_failures']}")
+            + f"  duplicates {counters['duplicates']}  store retries {status['sink_failures']}"
+            + f"  broker retries {status['kafka_write_retries']}")
 
     run_up(settings, on_ready=ready, on_status=progress, otlp_port=otlp_port)
 

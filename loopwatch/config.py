@@ -123,6 +123,9 @@ class Settings(BaseSettings):
     service_host: str = "127.0.0.1"
     service_port: int = Field(0, ge=0, le=65535, description="0 = a free port")
     session_timeout_s: float = Field(10.0, gt=0)
+    producer_request_timeout_s: float = Field(
+        1200.0, gt=0, description="a processor's write to Kafka (state changelog, dead "
+        "letters) gives up after this long and is sent again, until the broker takes it")
 
     # -- capture and replay (docs/capture.md) --------------------------------------
     captures_topic: str = "loopwatch.captures"

@@ -256,7 +256,8 @@ def _sample_gauges(settings: Settings, bootstrap: str, writer: Any,
                 values = {"consumer_lag": float(probe.lag()),
                           "events_processed": float(current["counters"]["events"]),
                           "dead_letters": float(current["counters"]["dead_letters"]),
-                          "store_retries": float(current["sink_failures"])}
+                          "store_retries": float(current["sink_failures"]),
+                          "kafka_write_retries": float(current["kafka_write_retries"])}
                 now = datetime.now(UTC)
                 ClickHouseSink(writer).write_batch(RowBatch({"pipeline_gauges": [
                     {"ts": now, "name": name, "value": value} for name, value in values.items()
@@ -321,6 +322,7 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
             outbox = detectors.outbox
             return {"counters": vars(processor.pipeline.counters),
                     "sink_failures": processor.sink.failures,
+                    "kafka_write_retries": processor.kafka_writes.retries,
                     "caught_up": processor.caught_up(),
                     "alerts_open": len(detectors.book.open),
                     "notifications_pending": outbox.pending if outbox else 0}

@@ -23,6 +23,7 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import faust
@@ -30,7 +31,7 @@ import orjson
 
 from loopwatch.config import Settings
 from processors.capture_app import register_captures
-from processors.pipeline import Pipeline, RawMessage, Work
+from processors.pipeline import DeadLetterRecord, Pipeline, RawMessage, Work
 from processors.rows import EVENTS_IN_TABLE
 from processors.runs import RunState
 from processors.sink import RetryingSink, RowBatch, Sink
@@ -98,6 +99,36 @@ def release_freed_memory() -> None:
         _malloc_trim()
 
 
+class KafkaWrites:
+    """Sends to Kafka again until the broker takes them: the processors' writes to Kafka
+    (state changelog, dead letters) wait out a broker outage as their ClickHouse writes
+    do (:class:`processors.sink.RetryingSink`).
+
+    A send that gives up (after ``producer_request_timeout_s``) used to fail its whole
+    write: a batch's messages then stayed unacked and every later batch waited on them,
+    so offsets stopped being committed; the sweep's write crashed the faust app, and
+    with it ``loopwatch up`` and the memory of its embedded broker. Sending a record
+    twice is harmless: the changelog keeps a run's last value, and a dead letter's id
+    is its key.
+    """
+
+    def __init__(self, retry_s: float) -> None:
+        self._retry_s = retry_s
+        self.retries = 0
+
+    async def until_accepted(self, what: str, send: Callable[[], Awaitable[object]]) -> None:
+        """Await ``send()`` until it returns without raising (cancellation still stops)."""
+        while True:
+            try:
+                await send()
+                return
+            except Exception as exc:
+                self.retries += 1
+                log.warning("the broker did not take %s (%r); sending again in %.1f s",
+                            what, exc, self._retry_s)
+                await asyncio.sleep(self._retry_s)
+
+
 class TableRunStore:
     """Run state in a faust table: bytes keys, orjson changelog values, explicit partitions.
 
@@ -114,10 +145,11 @@ class TableRunStore:
     faust's recovery reads them unchanged.
     """
 
-    def __init__(self, table: Any, app: faust.App, topic: str) -> None:
+    def __init__(self, table: Any, app: faust.App, topic: str, writes: KafkaWrites) -> None:
         self._table = table
         self._app = app
         self._topic = topic
+        self._writes = writes
         self._changes: dict[bytes, tuple[int, bytes | None]] = {}
         self._sending = asyncio.Lock()
 
@@ -153,12 +185,14 @@ class TableRunStore:
 
     async def send_changes(self) -> None:
         """Send the waiting changes to the changelog and wait until the broker has
-        them. Changes made meanwhile wait for the next call; calls send one after the
-        other, so a run's records reach the changelog in the order they were made."""
+        them (sent again while it does not answer). Changes made meanwhile wait for the
+        next call; calls send one after the other, so a run's records reach the
+        changelog in the order they were made."""
         changes = self.take_changes()
         if changes:
             async with self._sending:
-                await self._send(changes)
+                await self._writes.until_accepted(
+                    f"{len(changes)} run state changes", lambda: self._send(changes))
 
     def take_changes(self) -> dict[bytes, tuple[int, bytes | None]]:
         """The changes waiting to be sent, key -> (partition, value or None for a
@@ -203,6 +237,7 @@ class Processor:
         self._adopted_for: frozenset[int] | None = None
         self.positions: dict[int, int] = {}
         self._caught_up = False
+        self.kafka_writes = KafkaWrites(settings.sink_retry_s)
         self.app = faust.App(
             settings.consumer_group,
             broker=";".join(f"kafka://{host}" for host in bootstrap.split(",")),
@@ -216,6 +251,7 @@ class Processor:
             broker_session_timeout=settings.session_timeout_s,
             broker_heartbeat_interval=min(3.0, settings.session_timeout_s / 3),
             broker_commit_interval=1.0,
+            producer_request_timeout=settings.producer_request_timeout_s,
             stream_wait_empty=False,
             producer_max_request_size=max(settings.max_message_bytes * 2, 1_048_576),
             producer_max_batch_size=CHANGELOG_BATCH_BYTES,
@@ -233,7 +269,8 @@ class Processor:
         self.table = self.app.Table(
             "runs", key_type=bytes, value_type=bytes, partitions=settings.partitions,
         )
-        self.store = TableRunStore(self.table, self.app, settings.events_topic)
+        self.store = TableRunStore(self.table, self.app, settings.events_topic,
+                                   self.kafka_writes)
         self.pipeline = Pipeline(settings, self.store, lookup_run=lookup_run)
 
         def reindex_on_assignment(sender: Any, /, *args: Any, signal: Any,
@@ -405,12 +442,19 @@ class Processor:
             pending.append(rows_accepted)
         await asyncio.gather(*pending)
         for letter in work.dead:
-            await self.deadletter_topic.send(
-                key=letter.letter_id.encode(),
-                value=letter.payload,
-                headers=[("loopwatch-reason", letter.reason.encode()),
-                         ("loopwatch-source", letter.source.encode())],
-            )
+            await self.kafka_writes.until_accepted(
+                f"dead letter {letter.letter_id}", partial(self._publish, letter))
+
+    async def _publish(self, letter: DeadLetterRecord) -> None:
+        """Send a dead letter and wait until the broker has it (faust's ``send`` returns
+        once the letter is queued)."""
+        delivered = await self.deadletter_topic.send(
+            key=letter.letter_id.encode(),
+            value=letter.payload,
+            headers=[("loopwatch-reason", letter.reason.encode()),
+                     ("loopwatch-source", letter.source.encode())],
+        )
+        await delivered
 
     def caught_up(self) -> bool:
         """True when this worker owns partitions and has processed each up to its end.

@@ -1,4 +1,4 @@
-"""Fault: the broker unreachable for 30 s.
+"""Fault: the broker unreachable for 30 s, and for longer than a write may wait.
 
 The embedded broker (Tansu) keeps its topics in memory, so it cannot be restarted
 without loss; it is paused instead (SIGSTOP, then SIGCONT): connections stay open and
@@ -12,10 +12,13 @@ import signal
 import time
 from pathlib import Path
 
-from ingest.sdk import Emitter
+from kafka import KafkaConsumer, TopicPartition
+
+from ingest.sdk import Emitter, RunContext
+from loopwatch.config import Settings, load_settings
 from loopwatch.embedded.broker import EmbeddedBroker
 from loopwatch.upprocess import UpProcess
-from tests.conftest import scalar, stored_events, wait_for, wait_stored
+from tests.conftest import PIPELINE_ENV, scalar, stored_events, wait_for, wait_stored
 
 PAUSE_S = 30.0
 RUNS_BEFORE, RUNS_DURING, RUNS_AFTER = 20, 40, 20
@@ -95,3 +98,65 @@ def test_broker_paused_for_30s_emitters_spool_and_resend_nothing_lost(
     print(f"\nbroker paused {PAUSE_S:.0f}s: connected emitter spooled "
           f"{emitter.stats.spooled}, resent {emitter.stats.resent}; emitter started in the "
           f"outage spooled {late.stats.spooled}, resent {late.stats.resent}")
+
+
+def _child_pid(parent: int, name: str) -> int:
+    """The pid of ``parent``'s child whose command name starts with ``name``."""
+    children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    for pid in map(int, children):
+        if Path(f"/proc/{pid}/comm").read_text().strip().startswith(name):
+            return pid
+    raise LookupError(f"no child {name!r} of {parent}: {children}")
+
+
+def _committed_everything(bootstrap: str, settings: Settings) -> bool:
+    """Whether the processors' committed offsets reached the end of every partition."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=settings.consumer_group,
+                             enable_auto_commit=False)
+    try:
+        partitions = [TopicPartition(settings.events_topic, p)
+                      for p in consumer.partitions_for_topic(settings.events_topic) or ()]
+        ends = consumer.end_offsets(partitions)
+        return all((consumer.committed(tp) or 0) == ends[tp] for tp in partitions)
+    finally:
+        consumer.close()
+
+
+def test_writes_that_fail_in_a_long_outage_are_sent_again_and_commits_go_on(tmp_path: Path):
+    """Guarantee: a processor write to Kafka that gives up (here the state changelog of a
+    run the sweep abandons while the broker is paused, past a 2 s producer timeout) is
+    sent again once the broker answers; the processor neither stops committing offsets
+    (every later batch waited on the failed one's acks) nor exits, which on the embedded
+    broker would take the broker's memory with it. Counts stay exact."""
+    env = {**PIPELINE_ENV, "LOOPWATCH_PRODUCER_REQUEST_TIMEOUT_S": "2"}
+    up = UpProcess(tmp_path / "data", env)
+    with up:
+        assert up.process is not None
+        broker_pid = _child_pid(up.process.pid, "tansu")
+        bootstrap = up.info["kafka_bootstrap"]
+        reader = up.reader
+        settings = load_settings(data_dir=up.data_dir)
+        with Emitter(bootstrap, spool_dir=tmp_path / "spool") as emitter:
+            stranded = RunContext(emitter, "stranded-in-outage", {"agent": "outage"})
+            stranded.start()
+            stranded.step()
+            assert emitter.flush(30)
+            wait_stored(reader, "outage", 2)
+            os.kill(broker_pid, signal.SIGSTOP)
+            try:  # abandon TTL 6 s + sweep 1 s + producer timeout 2 s, with room
+                time.sleep(15)
+            finally:
+                os.kill(broker_pid, signal.SIGCONT)
+            emit_runs(emitter, "outage-after", 3)
+            assert emitter.flush(30)
+        wait_stored(reader, "outage-after", 3 * EVENTS_PER_RUN, timeout_s=120)
+        wait_for(lambda: scalar(reader, "SELECT outcome FROM runs FINAL "
+                                        "WHERE run_id = 'stranded-in-outage'") == "abandoned",
+                 60, what="the stranded run to be abandoned")
+        wait_for(lambda: _committed_everything(bootstrap, settings), 60,
+                 what="the processors to commit every partition's offsets")
+        assert up.running
+        assert reader.query("SELECT agent, count(), sum(steps), sum(llm_calls) "
+                            "FROM runs FINAL GROUP BY agent ORDER BY agent").rows == [
+            ["outage", 1, 1, 0], ["outage-after", 3, 3, 3]]
+        assert up.health()["kafka_write_retries"] >= 1

@@ -391,11 +391,19 @@ class Processor:
             yield chunk
 
     async def _sweep(self) -> None:
-        self._caught_up = self._compute_caught_up()
-        if not self._ready():
-            return
-        self._adopt_open_runs()
-        await self._write(self.pipeline.sweep())
+        """The timer's pass. An exception in a faust timer crashes the app, which in
+        ``loopwatch up`` stops the embedded broker too and loses its memory: whatever
+        fails here (e.g. reading open runs from an unreachable ClickHouse server) is
+        logged and tried again on the next tick."""
+        try:
+            self._caught_up = self._compute_caught_up()
+            if not self._ready():
+                return
+            self._adopt_open_runs()
+            await self._write(self.pipeline.sweep())
+        except Exception:
+            log.exception("the sweep failed; trying again in %.1f s",
+                          self.settings.sweep_interval_s)
 
     def _ready(self) -> bool:
         recovery = self.app.tables.recovery  # type: ignore[attr-defined]
@@ -410,11 +418,11 @@ class Processor:
         active = frozenset(self.store.active_partitions())
         if self._open_runs is None or active == self._adopted_for:
             return
-        self._adopted_for = active
         states: Iterable[RunState] = (
             state for state in self._open_runs() if state.partition in active
         )
         adopted = self.pipeline.adopt(states)
+        self._adopted_for = active
         if adopted:
             log.info("rebuilt %d open runs from the store", adopted)
 

@@ -189,11 +189,18 @@ class Pipeline:
                 message.partition, message.offset, now, events_json, extras))
 
     def settle(self, touched: dict[str, RunState]) -> Work:
-        """Store the folded states (changelog) and build their ``runs`` rows."""
+        """Store the folded states (changelog) and build their ``runs`` rows. A state
+        that cannot be (only a damaged one: recovered from an incompatible build, say)
+        costs its own run's row, logged and counted, not the batch's."""
         work = Work()
         for state in touched.values():
-            self._put(state)
-            work.rows.add("runs", rows.run_row(state))
+            try:
+                row = rows.run_row(state)
+                self._put(state)
+            except Exception as exc:
+                self._state_failed("settling", state.run_id, exc)
+                continue
+            work.rows.add("runs", row)
         return work
 
     def sweep(self) -> Work:
@@ -211,19 +218,25 @@ class Pipeline:
                     del self._bucket_of[run_id]
                 due.extend(members)
         for run_id in due:
-            state = self.store.get(run_id)
-            if state is None:
-                continue
-            if abandon_if_expired(state, mark, self.abandon_ttl_ms(state)):
-                self.counters.runs_abandoned += 1
-                self.counters.runs_closed += 1
-                self._put(state)
-                work.rows.add("runs", rows.run_row(state))
-            elif state.closed and (state.closed_ms or 0) + self._label_window_ms < mark:
-                self.store.delete(state)
-            else:
-                self._file(state)  # not due yet (a partly passed bucket)
+            try:
+                self._sweep_one(work, run_id, mark)
+            except Exception as exc:  # left out of the index: not retried every sweep
+                self._state_failed("sweeping", run_id, exc)
         return work
+
+    def _sweep_one(self, work: Work, run_id: str, mark: int) -> None:
+        state = self.store.get(run_id)
+        if state is None:
+            return
+        if abandon_if_expired(state, mark, self.abandon_ttl_ms(state)):
+            work.rows.add("runs", rows.run_row(state))
+            self._put(state)
+            self.counters.runs_abandoned += 1
+            self.counters.runs_closed += 1
+        elif state.closed and (state.closed_ms or 0) + self._label_window_ms < mark:
+            self.store.delete(state)
+        else:
+            self._file(state)  # not due yet (a partly passed bucket)
 
     def invalidate_index(self) -> None:
         """The store changed behind the pipeline's back (partitions assigned, changelog
@@ -235,7 +248,10 @@ class Pipeline:
         self._bucket_of.clear()
         self._buckets.clear()
         for state in self.store.states():
-            self._file(state)
+            try:
+                self._file(state)
+            except Exception as exc:
+                self._state_failed("indexing", state.run_id, exc)
         self._index_stale = False
 
     def _put(self, state: RunState) -> None:
@@ -278,7 +294,11 @@ class Pipeline:
         adopted = 0
         for state in states:
             if self.store.get(state.run_id) is None:
-                self._put(state)
+                try:
+                    self._put(state)
+                except Exception as exc:
+                    self._state_failed("adopting", state.run_id, exc)
+                    continue
                 adopted += 1
         return adopted
 
@@ -316,6 +336,15 @@ class Pipeline:
         reason = f"processing failed: {type(exc).__name__}: {str(exc)[:REASON_CHARS]}"
         self._dead_letter(work, message, letter_index, DeadLetter(reason, payload, run_id),
                           now)
+
+    def _state_failed(self, doing: str, run_id: str, exc: Exception) -> None:
+        """Count and log a run state the pipeline raised on outside any event: the run
+        keeps its last stored row, its events are stored all the same."""
+        self.counters.processing_errors += 1
+        failures = self.counters.processing_errors
+        if failures <= 10 or failures % 1000 == 0:
+            log.error("processing failed (%d so far) %s the state of run %r", failures,
+                      doing, run_id, exc_info=exc)
 
     def _state_for(
         self, touched: dict[str, RunState], event: EventBase, partition: int, when: int

@@ -629,3 +629,53 @@ def test_an_event_the_fold_raises_on_is_a_dead_letter_and_is_applied_when_replay
     assert counts(hostile_db, "events", hit_id) == len(hit_events)
     assert counts(hostile_db, "llm_calls", hit_id) == 2
     assert stored_run(hostile_db, good_id) == GOOD_STORED
+
+
+def damaged_state(run_id: str, last_ms: int) -> RunState:
+    """An open run's state as ClickHouse or the changelog might hand it back from an
+    incompatible build: valid JSON, a start time that is not a number."""
+    return RunState.from_dict(orjson.loads(orjson.dumps(
+        {"run_id": run_id, "partition": 0, "agent": "hostile-damaged", "first_ms": last_ms,
+         "last_ms": last_ms, "started_ms": "at dawn", "steps": 3})))
+
+
+def test_a_damaged_run_state_costs_its_own_run_not_the_batch_nor_the_sweep(hostile_db):
+    """A run state the pipeline raises on outside any one event (building its row) is
+    logged and counted, and that run alone gets no row: the batch it was folded in, and
+    a sweep that abandons it with other runs, store everything else exactly. Its events
+    are stored."""
+    harness = new_harness()
+    now_ms = int(NOW_S * 1000)
+    folded_id, swept_id, good_id = (f"{kind}-{uuid.uuid4().hex}"
+                                    for kind in ("damaged", "damaged", "good"))
+    stale_id = f"stale-{uuid.uuid4().hex}"
+    lookup = harness.pipeline.lookup_run
+    harness.pipeline.lookup_run = lambda run_id: (
+        damaged_state(folded_id, now_ms - 5000) if run_id == folded_id else lookup(run_id))
+    step = {"event_type": "step", "event_id": str(uuid.uuid4()), "ts": now_ms - 1000,
+            "run_id": folded_id, "agent": "hostile-damaged", "step": 3}
+    values = [json_bytes(step)] + [json_bytes(event) for event in good_run(good_id, "hostile-good")]
+
+    work = harness.feed(values)
+
+    assert work.dead == []
+    assert harness.pipeline.counters.processing_errors == 1
+    assert len(raw_events(work.rows)) == len(values)
+    assert_good_row(latest_run_row(harness.rows, good_id), good_id)
+    assert not [row for row in harness.rows.tables["runs"] if row["run_id"] == folded_id]
+
+    an_hour_ago = now_ms - 3_600_000
+    stale = RunState(run_id=stale_id, partition=0, agent="hostile-stale",
+                     first_ms=an_hour_ago, last_ms=an_hour_ago, steps=1)
+    assert harness.pipeline.adopt([damaged_state(swept_id, an_hour_ago), stale]) == 2
+    swept = harness.pipeline.sweep()
+
+    assert [row["run_id"] for row in swept.rows.tables["runs"]] == [stale_id]
+    assert harness.pipeline.counters.processing_errors == 2
+    assert harness.pipeline.counters.runs_abandoned == 1
+    harness.rows.extend(swept.rows)
+    assert insert_all(hostile_db, harness.rows) == len(harness.rows)
+    assert stored_run(hostile_db, good_id) == GOOD_STORED
+    assert stored_run(hostile_db, stale_id) == [("closed", "abandoned", 1, 0, 0, 0, 0, 0.0)]
+    assert stored_run(hostile_db, folded_id) == stored_run(hostile_db, swept_id) == []
+    assert counts(hostile_db, "events", folded_id) == 1

@@ -120,8 +120,12 @@ def decode_one(item: Any, message: bytes = b"") -> EventBase | DeadLetter:
     """
     try:
         raw = orjson.dumps(item) if not isinstance(item, bytes) else item
-    except (TypeError, RecursionError):
+    except RecursionError:
         return DeadLetter(f"nested deeper than {MAX_NESTING} levels", message)
+    except TypeError as exc:  # orjson's two refusals here: depth, or past 64 bits
+        if "ecursion" in str(exc):
+            return DeadLetter(f"nested deeper than {MAX_NESTING} levels", message)
+        raw = exact_json(item)
     if not isinstance(item, dict):
         return DeadLetter("not a JSON object", raw)
     run_id = str(item.get("run_id", ""))[:256]
@@ -179,10 +183,21 @@ def _decode_in_one_call(value: bytes) -> Decoded | None:
     return Decoded(events, [])  # type: ignore[arg-type]
 
 
+def _parse_exact(value: bytes) -> Any:
+    """A JSON document's value with integers beyond 64 bits kept exact (msgspec; orjson
+    reads them as floats). A document msgspec refuses is read by orjson, for its value
+    or its error, whose reasons (what, line and column) were the dead letters' all
+    along."""
+    try:
+        return msgspec.json.decode(value)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return orjson.loads(value)
+
+
 def _decode_slow(value: bytes) -> Decoded:
     """Event by event, with a precise reason for each dead letter."""
     try:
-        body = orjson.loads(value)
+        body = _parse_exact(value)
     except (orjson.JSONDecodeError, RecursionError) as exc:
         return Decoded([], [DeadLetter(f"malformed JSON: {exc}", value)])
     if isinstance(body, dict) and "events" in body and "event_type" not in body:

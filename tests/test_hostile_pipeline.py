@@ -543,6 +543,28 @@ def test_an_extra_integer_beyond_64_bits_is_stored_digit_for_digit(hostile_db):
             zip(stored, values, strict=True)] == [True] * 4
 
 
+def test_an_envelope_with_a_bad_event_keeps_its_neighbours_integers_exact(hostile_db):
+    """An envelope holding one invalid event is decoded event by event; that path read
+    numbers as floats past 64 bits, so a neighbour's 30-digit id was stored rounded
+    (``1.2345678901234568e+29``). It is stored as sent, and the bad event is a dead
+    letter with its reason."""
+    big = 123456789012345678901234567890
+    base = {"event_type": "step", "run_id": "big-ints-envelope", "agent": "a"}
+    value = json_bytes({"envelope_version": 1, "events": [
+        {**base, "step": 1, "x": big}, {**base, "step": -1}, {**base, "step": 2, "x": -big}]})
+    harness = new_harness()
+    work = harness.feed([value])
+    assert [letter.reason for letter in work.dead] == [
+        "schema violation: step.step: Input should be greater than or equal to 0"]
+    insert_all(hostile_db, harness.rows)
+    stored = hostile_db.query(
+        f"SELECT extras['x'], payload FROM {HOSTILE_DB}.events "
+        "WHERE run_id = 'big-ints-envelope' ORDER BY ts, event_id").result_rows
+    assert sorted(extra for extra, _ in stored) == sorted([str(big), str(-big)])
+    assert sorted(payload.endswith(f'"x":{extra}}}') for extra, payload in stored) == [
+        True, True]
+
+
 def test_a_message_that_cannot_be_stored_is_a_dead_letter_and_the_batch_goes_on():
     """Past 64 bits the standard library writes the extras, and it refuses an infinite
     float (``1e400`` parses as one): that message's events cannot be stored, so it is

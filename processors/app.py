@@ -449,20 +449,21 @@ class Processor:
         if rows_accepted is not None:
             pending.append(rows_accepted)
         await asyncio.gather(*pending)
-        for letter in work.dead:
+        if work.dead:
             await self.kafka_writes.until_accepted(
-                f"dead letter {letter.letter_id}", partial(self._publish, letter))
+                f"{len(work.dead)} dead letters", partial(self._publish, work.dead))
 
-    async def _publish(self, letter: DeadLetterRecord) -> None:
-        """Send a dead letter and wait until the broker has it (faust's ``send`` returns
-        once the letter is queued)."""
-        delivered = await self.deadletter_topic.send(
+    async def _publish(self, letters: list[DeadLetterRecord]) -> None:
+        """Send dead letters and wait until the broker has them all. faust's ``send``
+        returns once a letter is queued; its deliveries are awaited together, as one
+        await per letter would wait out the producer's linger for each."""
+        delivered = [await self.deadletter_topic.send(
             key=letter.letter_id.encode(),
             value=letter.payload,
             headers=[("loopwatch-reason", letter.reason.encode()),
                      ("loopwatch-source", letter.source.encode())],
-        )
-        await delivered
+        ) for letter in letters]
+        await asyncio.gather(*delivered)
 
     def caught_up(self) -> bool:
         """True when this worker owns partitions and has processed each up to its end.

@@ -123,6 +123,9 @@ def print_result(result: dict[str, Any]) -> None:
     ]
     for name, value in rows:
         table.add_row(name, value)
+    machine = result["machine"]
+    table.caption = (f"{machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB, "
+                     f"Python {machine['python']}, {machine['system']}")
     console = Console()
     console.print(table)
     console.print(targets_chart(result))

@@ -51,6 +51,7 @@ import asyncio
 import itertools
 import math
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -89,7 +90,7 @@ FLEET: tuple[Agent, ...] = (
 KEYS = ("events", "pipeline_events_per_s", "raw_consume_events_per_s", "ratio",
         "emitter_events_per_s", "alert_latency_p50_s", "alert_latency_p95_s",
         "processor_peak_rss_mb", "memory_per_open_run_bytes", "stored_bytes_per_event",
-        "query_latency_s", "workers")
+        "query_latency_s", "workers", "machine")
 POLL_S = 0.25
 #: batches of new open runs for the memory figure (the first pays one-time allocations)
 MEMORY_ROUNDS = 5
@@ -142,6 +143,28 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
         return used(f"/proc/{pid}/task/{pid}/stat"), used(f"/proc/{pid}/stat")
     except OSError:
         return 0.0, 0.0
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on: they mean little without it.
+
+    >>> sorted(machine())
+    ['cores', 'cpu', 'memory_gib', 'python', 'system']
+    """
+    def first(path: str, key: str) -> str:
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError:
+            return ""
+        return next((line.split(":", 1)[1].strip() for line in lines
+                     if line.startswith(key)), "")
+
+    memory_kb = first("/proc/meminfo", "MemTotal").removesuffix(" kB")
+    return {"cpu": first("/proc/cpuinfo", "model name") or platform.processor(),
+            "cores": os.cpu_count(),
+            "memory_gib": round(int(memory_kb) / 2**20, 1) if memory_kb.isdigit() else None,
+            "python": platform.python_version(),
+            "system": f"{platform.system()} {platform.release()}"}
 
 
 def machine_ticks() -> tuple[int, int]:
@@ -498,6 +521,7 @@ def run_bench(events: int, workers: int, query_events: int,
     note = note or progress
     result: dict[str, Any] = dict.fromkeys(KEYS)
     result["query_latency_s"], result["workers"] = {}, {"1": None, "2": None}
+    result["machine"] = machine()
     settings = load_settings()
     topic = settings.events_topic
     with tempfile.TemporaryDirectory(prefix="loopwatch-bench-") as tmp:

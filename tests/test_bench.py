@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import platform
+
 import orjson
 import typer
 from typer.testing import CliRunner
@@ -40,3 +43,5 @@ def test_bench_smoke() -> None:
                for value in figures["query_latency_s"].values())
     assert figures["workers"]["1"] == figures["pipeline_events_per_s"]
     assert figures["workers"].get("2") is None
+    assert figures["machine"]["cores"] == os.cpu_count()
+    assert figures["machine"]["cpu"] and figures["machine"]["python"] == platform.python_version()

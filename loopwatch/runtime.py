@@ -225,18 +225,39 @@ def run_worker(settings: Settings, loglevel: str = "warning",
         worker.execute_from_commandline()
 
 
+#: what makes ``loopwatch up`` print a status line when it moved: the counters, and the
+#: retries, which move alone while an outage holds the processors still
+STATUS_MOVES = ("counters", "sink_failures", "kafka_write_retries")
+
+
+def status_moved(last: dict[str, Any], current: dict[str, Any]) -> bool:
+    """Whether ``current`` has news for the status line since ``last``.
+
+    >>> still = {"counters": {"events": 5}, "sink_failures": 0, "caught_up": True}
+    >>> status_moved(still, {**still, "caught_up": False})
+    False
+    >>> status_moved(still, {**still, "sink_failures": 1})
+    True
+    """
+    return any(current.get(key) != last.get(key) for key in STATUS_MOVES)
+
+
 def _report_status(status: Callable[[], dict[str, Any]],
                    on_status: Callable[[dict[str, Any]], None], every_s: float) -> None:
-    """Call ``on_status`` whenever the counters moved, at most every ``every_s``."""
+    """Call ``on_status`` whenever the counters or retries moved, at most every
+    ``every_s``; a failing call is logged and the next one tried."""
     last: dict[str, Any] = {}
 
     def loop() -> None:
         while True:
             time.sleep(every_s)
-            current = status()
-            if current["counters"] != last.get("counters"):
-                last.update(current)
-                on_status(current)
+            try:
+                current = status()
+                if status_moved(last, current):
+                    last.update(current)
+                    on_status(current)
+            except Exception:
+                log.exception("could not report the status")
 
     threading.Thread(target=loop, name="status", daemon=True).start()
 

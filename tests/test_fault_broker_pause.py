@@ -127,7 +127,8 @@ def test_writes_that_fail_in_a_long_outage_are_sent_again_and_commits_go_on(tmp_
     run the sweep abandons while the broker is paused, past a 2 s producer timeout) is
     sent again once the broker answers; the processor neither stops committing offsets
     (every later batch waited on the failed one's acks) nor exits, which on the embedded
-    broker would take the broker's memory with it. Counts stay exact."""
+    broker would take the broker's memory with it. `up`'s status line shows the retries
+    while the outage lasts. Counts stay exact."""
     env = {**PIPELINE_ENV, "LOOPWATCH_PRODUCER_REQUEST_TIMEOUT_S": "2"}
     up = UpProcess(tmp_path / "data", env)
     with up:
@@ -143,10 +144,13 @@ def test_writes_that_fail_in_a_long_outage_are_sent_again_and_commits_go_on(tmp_
             assert emitter.flush(30)
             wait_stored(reader, "outage", 2)
             os.kill(broker_pid, signal.SIGSTOP)
-            try:  # abandon TTL 6 s + sweep 1 s + producer timeout 2 s, with room
-                time.sleep(15)
+            try:  # abandon TTL 6 s + sweep 1 s + producer timeout 2 s + a status line
+                time.sleep(20)
+                status_lines = [line for line in (up.data_dir / "logs" / "up.log")
+                                .read_text().splitlines() if "broker retries" in line]
             finally:
                 os.kill(broker_pid, signal.SIGCONT)
+            assert int(status_lines[-1].rsplit(" ", 1)[1]) >= 1, status_lines
             emit_runs(emitter, "outage-after", 3)
             assert emitter.flush(30)
         wait_stored(reader, "outage-after", 3 * EVENTS_PER_RUN, timeout_s=120)

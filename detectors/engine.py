@@ -200,8 +200,11 @@ class DetectorEngine:
                 self.evaluate()
             except Exception:
                 log.exception("detector pass failed")
-            if self.outbox is not None:
-                self.outbox.flush()
+            try:
+                if self.outbox is not None:
+                    self.outbox.flush()
+            except Exception:  # the thread must outlive any one notifier's failure
+                log.exception("notification delivery failed")
             stop.wait(interval_s)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import http.client
 import time
 import urllib.error
 import urllib.request
@@ -48,7 +49,7 @@ def _post(url: str, body: bytes, headers: dict[str, str], timeout_s: float = 10.
     except urllib.error.HTTPError as exc:
         answer = mask_secrets(repr(exc.read()[:200]), [url])
         raise DeliveryError(f"{shown} answered {exc.code}: {answer}") from None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
         raise DeliveryError(f"{shown} unreachable: {mask_secrets(str(exc), [url])}") from None
 
 

@@ -3,8 +3,10 @@ loopwatch's own signed webhooks (dedup, grouping, re-notify, silences, retries).
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
+import threading
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -194,3 +196,24 @@ def test_slack_and_pagerduty_payloads(hook):
     assert (pagerduty["event_action"], pagerduty["dedup_key"], pagerduty["routing_key"]) == (
         "resolve", "f1", "rk")
     assert pagerduty["payload"]["severity"] == "critical"
+
+
+def test_a_receiver_answering_garbage_is_a_delivery_failure_to_retry(tmp_path):
+    """A receiver (or a proxy in front of it) that answers something other than HTTP made
+    ``http.client`` raise an error the outbox did not expect, which escaped the detector
+    loop's outbox flush and ended the detectors' thread: no alert after it. It is a
+    delivery failure like any other, kept for the next attempt."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        def answer_garbage() -> None:
+            connection, _ = server.accept()
+            with connection:
+                connection.recv(65536)
+                connection.sendall(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
+
+        threading.Thread(target=answer_garbage, daemon=True).start()
+        url = f"http://127.0.0.1:{server.getsockname()[1]}/hook"
+        outbox = Outbox(tmp_path / "outbox.jsonl", {"webhook": WebhookNotifier(url, SECRET)},
+                        max_backoff_s=0)
+        outbox.put([{"alert": {"labels": {"agent": "garbage"}}}])
+        assert outbox.flush() == 0
+    assert (outbox.pending, outbox.failures) == (1, 1)

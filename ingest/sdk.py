@@ -407,19 +407,28 @@ class Emitter:
         (events, and capture messages, which go back to the topic they were bound for)."""
         lines = self.spool.take()
         self.stats.resent += len(lines)
-        events = [line for line in lines if not line.startswith(SPOOL_TOPIC_MARK)]
-        self.emit_raw(events)
+        self._requeue([line for line in lines if not line.startswith(SPOOL_TOPIC_MARK)])
         for line in lines:
             if line.startswith(SPOOL_TOPIC_MARK):
                 topic, _, value = line[1:].partition(b" ")
-                try:
-                    run_id = str(orjson.loads(value).get("run_id") or "")
-                except orjson.JSONDecodeError:
-                    continue
                 with self._outstanding_lock:
                     self._outstanding += 1
-                self._queue.put(Outgoing(topic.decode(), run_id, value))
+                self._queue.put(Outgoing(topic.decode("utf-8", "replace"), run_id_of(value),
+                                         value))
         return len(lines)
+
+    def _requeue(self, lines: list[bytes]) -> None:
+        """Queue spooled events as they are. A line that is not an event (torn by a
+        crash mid-write) goes too, for the processors to dead-letter with its reason;
+        one larger than a message (``max_message_bytes`` lowered since) could never
+        be sent, and is dropped, logged and counted in the spool's ``dropped``."""
+        limit = self._max_message_bytes - ENVELOPE_OVERHEAD_BYTES
+        sendable = [line for line in lines if len(line) <= limit]
+        if len(sendable) < len(lines):
+            self.spool.dropped += len(lines) - len(sendable)
+            log.error("%d spooled events over the %d-byte message limit dropped",
+                      len(lines) - len(sendable), limit)
+        self._enqueue(sendable)
 
     def close(self, timeout_s: float = 30.0) -> None:
         if self._closed:
@@ -475,9 +484,23 @@ class Emitter:
                 if item is None:
                     break
                 batch.append(item)
-            if batch:
-                self._send(batch)
-            self._maybe_resend()
+            try:
+                if batch:
+                    self._send(batch)
+                self._maybe_resend()
+            except Exception:  # the thread must outlive it: nothing else sends
+                log.exception("the emitter's sender failed; spooling the batch")
+                self.stats.send_errors += 1
+                self._spool_unsent(batch)
+
+    def _spool_unsent(self, batch: list[bytes | Outgoing]) -> None:
+        """After an unexpected failure, spool the whole batch: some of it may have been
+        sent, and a resend is harmless (``event_id`` deduplicates)."""
+        try:
+            self._to_spool([item for item in batch if isinstance(item, bytes)])
+            self._spool_outgoing([item for item in batch if isinstance(item, Outgoing)])
+        except Exception:
+            log.exception("could not spool %d items after a sender failure", len(batch))
 
     def _next(self, timeout: float) -> bytes | Outgoing | None:
         try:
@@ -506,11 +529,11 @@ class Emitter:
         assert self._producer is not None and self._partitions is not None
         groups: dict[int, list[bytes]] = defaultdict(list)
         for line in lines:
-            try:
-                run_id = str(orjson.loads(line).get("run_id") or "")
-            except (orjson.JSONDecodeError, AttributeError):
-                run_id = ""  # e.g. a damaged spool line: the processors dead-letter it
-            groups[partition_for(run_id, self._partitions)].append(line)
+            key = partition_key(line)
+            if key is None:  # not JSON (a spool line torn by a crash): a message alone
+                self._send_message(partition_for("", self._partitions), [line])
+            else:
+                groups[partition_for(key, self._partitions)].append(line)
         for partition, group in groups.items():
             for chunk in self._chunks(group):
                 self._send_message(partition, chunk)
@@ -537,7 +560,7 @@ class Emitter:
         else:
             value = (b'{"envelope_version":' + str(ENVELOPE_VERSION).encode()
                      + b',"events":[' + b",".join(chunk) + b"]}")
-        key = orjson.loads(chunk[0]).get("run_id", "").encode()
+        key = run_id_of(chunk[0]).encode()
         try:
             future = self._producer.send(self.topic, value=value, key=key, partition=partition)
         except KafkaError as exc:
@@ -643,6 +666,29 @@ class Emitter:
 
     def _run_late(self, fn: Callable[[], T]) -> Future[T]:
         return self._late_calls.submit(fn)
+
+
+def partition_key(line: bytes) -> str | None:
+    """An encoded event's partition key, its ``run_id``: ``""`` for JSON that is not an
+    event object with a string ``run_id`` (the processors dead-letter that event), None
+    for a line that is not JSON at all (which would spoil a whole envelope).
+
+    >>> partition_key(b'{"run_id": "r1"}'), partition_key(b'{"run_id": 7}')
+    ('r1', '')
+    >>> partition_key(b'[1]'), partition_key(b'{"run_id": "to')
+    ('', None)
+    """
+    try:
+        run_id = orjson.loads(line).get("run_id", "")
+    except orjson.JSONDecodeError:
+        return None
+    except AttributeError:
+        return ""
+    return run_id if isinstance(run_id, str) else ""
+
+
+def run_id_of(line: bytes) -> str:
+    return partition_key(line) or ""
 
 
 class RunContext:

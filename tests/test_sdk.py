@@ -100,6 +100,34 @@ def test_broker_unreachable_events_spool_and_are_resent_once_it_is_back(tmp_path
     assert emitter.spool.size() == 0
 
 
+@pytest.mark.parametrize("damaged", [b'{"event_type": "step", "run_id": "torn', b'[1, 2]',
+                                     b'{"run_id": 7}', b"\xff\xfe"])
+def test_a_damaged_spool_line_is_sent_on_and_the_emitter_keeps_going(
+        broker, tmp_path: Path, damaged: bytes):
+    """A spool line torn by a crash mid-write (or otherwise not an event object) is
+    resent like any other; the processors dead-letter it with its reason. It used to
+    raise in the emitter's thread while the envelope's key was read, which ended the
+    thread: every later event waited in memory and nothing was sent again."""
+    topic = f"sdk-{uuid.uuid4().hex[:8]}"
+    create_topic(broker.bootstrap, topic, partitions=1)
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    good = Step(run_id="after-torn", agent="a", step=1).model_dump_json().encode()
+    (spool / "spool.jsonl").write_bytes(damaged + b"\n" + good + b"\n")
+    with Emitter(broker.bootstrap, topic, spool) as emitter:
+        deadline = time.monotonic() + 30
+        while emitter.stats.resent < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert emitter.flush(30)
+        emitter.emit(Step(run_id="after-torn", agent="a", step=2))
+        assert emitter.flush(30)
+    assert (emitter.stats.resent, emitter.stats.sent) == (2, 3)
+    values = [message.value for message in read_to_end(broker.bootstrap, topic)]
+    decoded = [decode_message(value, 10_000_000) for value in values]
+    assert sorted(event.step for d in decoded for event in d.events) == [1, 2]  # type: ignore[attr-defined]
+    assert sum(len(d.dead) for d in decoded) == 1
+
+
 def test_an_extra_integer_beyond_64_bits_is_sent_digit_for_digit(broker, tmp_path: Path):
     """emit() raised TypeError in the agent's own code for such an unknown field (a
     30-digit id); it now travels exactly, with the events around it."""

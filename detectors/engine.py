@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 Query = Callable[[str, dict[str, Any]], QueryResult]
 Write = Callable[[str, list[dict[str, Any]]], None]
 EVIDENCE_ROWS = 10
+#: history rows kept in memory while the store refuses them (~1 KB each)
+MAX_UNWRITTEN_ROWS = 50_000
 
 
 @dataclass
@@ -75,6 +77,9 @@ class DetectorEngine:
         self.last_findings: dict[str, list[Finding]] = {}
         self._series: dict[str, dict[tuple[str, ...], SeriesState]] = {}
         self._last_sent: dict[str, datetime] = {}
+        #: history rows the store refused, oldest first, written with a later pass
+        self._unwritten: deque[tuple[str, list[dict[str, Any]]]] = deque()
+        self.unwritten_dropped = 0
 
     def _restore(self) -> list[Alert]:
         try:
@@ -121,12 +126,34 @@ class DetectorEngine:
                     transition = Transition("fired", self._with_evidence(transition.alert, now))
                     self.book.open[transition.alert.fingerprint] = transition.alert
                 transitions.append(transition)
-        if evaluations:
-            self.write("rule_evaluations", evaluations)
-        if transitions:
-            self.write("alerts", [t.alert.row(wall_now) for t in transitions])
         self._notify(transitions, wall_now)
+        if evaluations:
+            self._unwritten.append(("rule_evaluations", evaluations))
+        if transitions:
+            self._unwritten.append(("alerts", [t.alert.row(wall_now) for t in transitions]))
+        self._write_history()
         return transitions
+
+    def _write_history(self) -> None:
+        """Write the history rows waiting, oldest first, until the store refuses one
+        batch (it stays for the next pass). Notifying never waits on this: the outbox
+        is durable on its own, and a page must not depend on the history's store.
+        Beyond ``MAX_UNWRITTEN_ROWS`` waiting, the oldest evaluations are dropped first
+        (counted in ``unwritten_dropped``): alert rows are what the history is for."""
+        while self._unwritten:
+            table, rows = self._unwritten[0]
+            try:
+                self.write(table, rows)
+            except Exception as exc:
+                log.warning("could not write %d %s rows (%s); %d batches wait for the "
+                            "next pass", len(rows), table, exc, len(self._unwritten))
+                break
+            self._unwritten.popleft()
+        while sum(len(rows) for _, rows in self._unwritten) > MAX_UNWRITTEN_ROWS:
+            oldest = next((batch for batch in self._unwritten
+                           if batch[0] == "rule_evaluations"), self._unwritten[0])
+            self._unwritten.remove(oldest)
+            self.unwritten_dropped += len(oldest[1])
 
     def _findings(self, rule: Rule, now: datetime, wall_now: datetime) -> list[Finding]:
         parameters = {"now": now, "start": now - rule.window,

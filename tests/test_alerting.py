@@ -20,6 +20,7 @@ from detectors.notify import WebhookNotifier, verify_signature
 from detectors.outbox import Outbox
 from ingest.events import RunEnd
 from ingest.sdk import RunContext
+from processors.sink import ClickHouseSink, FaultInjectingSink, RowBatch
 from tests.conftest import wait_for
 from tests.receivers import Receiver
 from tests.test_rules import NOW, Fleet, engine
@@ -217,3 +218,33 @@ def test_a_receiver_answering_garbage_is_a_delivery_failure_to_retry(tmp_path):
         outbox.put([{"alert": {"labels": {"agent": "garbage"}}}])
         assert outbox.flush() == 0
     assert (outbox.pending, outbox.failures) == (1, 1)
+
+
+def test_a_refused_history_write_does_not_swallow_the_page(local_store, tmp_path, hook):
+    """The pass that fires an alert writes its history (``rule_evaluations``,
+    ``alerts``) and then notifies. A refused write (a ClickHouse server restarting)
+    raised out of the pass after the alert book had marked the alert firing, so the
+    next pass saw nothing new and nobody was ever paged. Now the page goes out at once
+    and the history is written by the first pass after the store is back. chdb cannot
+    be stopped on its own, so the refusal is injected at the sink (FaultInjectingSink,
+    as the processors' store-outage test does)."""
+    agent = stuck_runs(local_store, 1)
+    _, client = local_store
+    marker = tmp_path / "store-down"
+    detector = own_engine(local_store, tmp_path, hook)
+    refusing = FaultInjectingSink(ClickHouseSink(client), marker)
+    detector.write = lambda table, rows: refusing.write_batch(RowBatch({table: rows}))
+
+    def history() -> list[tuple[str, str]]:
+        return [tuple(row) for row in client.query(
+            "SELECT rule, state FROM alerts FINAL WHERE labels['agent'] = {a:String}",
+            parameters={"a": agent}).result_rows]
+
+    marker.touch()
+    detector.evaluate(event_now=NOW, wall_now=NOW)
+    assert len(mine(hook, agent)) == 1
+    assert history() == []
+    marker.unlink()
+    detector.evaluate(event_now=NOW, wall_now=NOW + timedelta(minutes=1))
+    assert len(mine(hook, agent)) == 1
+    assert history() == [("stuck_run", "firing")]

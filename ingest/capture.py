@@ -27,6 +27,8 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
+from ingest.events import I64_MAX, U32_MAX
+
 CAPTURE_VERSION = 1
 LLM_PARTS: tuple[str, ...] = ("prompt", "response")
 TOOL_PARTS: tuple[str, ...] = ("args", "output")
@@ -53,9 +55,9 @@ class PartRef(BaseModel):
 
     encoding: PartEncoding
     hashes: list[str]
-    bytes: int = Field(ge=0)
+    bytes: int = Field(ge=0, le=I64_MAX)
     truncated: bool = False
-    redactions: int = Field(0, ge=0)
+    redactions: int = Field(0, ge=0, le=U32_MAX)
 
 
 class CaptureMessage(BaseModel):
@@ -69,7 +71,7 @@ class CaptureMessage(BaseModel):
     agent: str = Field(min_length=1, max_length=256)
     ts: str
     event_type: Literal["llm.call", "tool.call"]
-    step: int | None = Field(None, ge=0)
+    step: int | None = Field(None, ge=0, le=U32_MAX)
     tool: str | None = None
     parts: dict[Literal["prompt", "response", "args", "output"], PartRef]
     blobs: dict[str, Blob]

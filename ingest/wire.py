@@ -183,7 +183,7 @@ def _decode_in_one_call(value: bytes) -> Decoded | None:
     return Decoded(events, [])  # type: ignore[arg-type]
 
 
-def _parse_exact(value: bytes) -> Any:
+def parse_exact(value: bytes) -> Any:
     """A JSON document's value with integers beyond 64 bits kept exact (msgspec; orjson
     reads them as floats). A document msgspec refuses is read by orjson, for its value
     or its error, whose reasons (what, line and column) were the dead letters' all
@@ -197,7 +197,7 @@ def _parse_exact(value: bytes) -> Any:
 def _decode_slow(value: bytes) -> Decoded:
     """Event by event, with a precise reason for each dead letter."""
     try:
-        body = _parse_exact(value)
+        body = parse_exact(value)
     except (orjson.JSONDecodeError, RecursionError) as exc:
         return Decoded([], [DeadLetter(f"malformed JSON: {exc}", value)])
     if isinstance(body, dict) and "events" in body and "event_type" not in body:

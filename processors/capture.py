@@ -25,6 +25,7 @@ import orjson
 from pydantic import ValidationError
 
 from ingest.capture import CAPTURE_VERSION, CaptureMessage, blob_hash
+from ingest.wire import parse_exact
 from processors import rows
 from processors.pipeline import DeadLetterRecord, RawMessage, Work
 
@@ -51,8 +52,8 @@ def parse_capture(value: bytes | None) -> CaptureMessage:
     if value is None:
         raise InvalidCapture("empty capture message (no value)")
     try:
-        body = orjson.loads(value)
-    except orjson.JSONDecodeError as exc:
+        body = parse_exact(value)  # a count past 64 bits is refused by its bound, exactly
+    except (orjson.JSONDecodeError, RecursionError) as exc:
         raise InvalidCapture(f"malformed JSON: {exc}") from None
     if not isinstance(body, dict):
         raise InvalidCapture("capture message is not a JSON object")

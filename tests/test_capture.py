@@ -19,6 +19,7 @@ from kafka import KafkaProducer
 
 from ingest.capture import Blob, PartRef, assemble_part, blob_hash, build_capture_message, part_hash
 from ingest.sdk import Emitter
+from ingest.wire import exact_json
 from tests.conftest import read_to_end, wait_for
 
 SYSTEM = {"role": "system", "content": "You are the refund bot. Be brief. " * 40}
@@ -269,6 +270,8 @@ def test_invalid_capture_messages_are_dead_lettered_with_reasons(broker, pipelin
     tampered = {**good, "blobs": {**good["blobs"], digest: {"encoding": "text", "body": "P"}}}
     missing = _message(f"{agent}-missing")
     missing["blobs"].pop(missing["parts"]["response"]["hashes"][0])
+    too_big = _message(f"{agent}-bytes")
+    too_big["parts"]["prompt"]["bytes"] = 2**64
     cases = {
         f"{agent}-version": (_message(f"{agent}-version", capture_version=2),
                              "capture: unsupported capture_version 2 (this build reads 1)"),
@@ -281,10 +284,17 @@ def test_invalid_capture_messages_are_dead_lettered_with_reasons(broker, pipelin
         f"{agent}-type": (_message(f"{agent}-type", event_type="step"),
                           "capture: capture schema violation: event_type: Input should be "
                           "'llm.call' or 'tool.call'"),
+        # ClickHouse stored a step past UInt32 as 0; 2**64 bytes made the sink retry the
+        # shared batch forever (orjson writes 64 bits at most): every table stalled
+        f"{agent}-step": (_message(f"{agent}-step", step=2**32),
+                          "capture: capture schema violation: step: Input should be less "
+                          "than or equal to 4294967295"),
+        f"{agent}-bytes": (too_big, "capture: capture schema violation: parts.prompt.bytes: "
+                           "Input should be less than or equal to 9223372036854775807"),
     }
     producer = KafkaProducer(bootstrap_servers=broker.bootstrap, acks="all")
     for run_id, (body, _) in cases.items():
-        producer.send(CAPTURES, key=run_id.encode(), value=orjson.dumps(body))
+        producer.send(CAPTURES, key=run_id.encode(), value=exact_json(body))
     marker = f"<not json {agent}>".encode()
     producer.send(CAPTURES, key=b"x", value=marker)
     producer.flush(30)

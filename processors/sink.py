@@ -10,15 +10,20 @@ every table is keyed so that re-writing a row is harmless (ReplacingMergeTree on
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
 import orjson
 from clickhouse_connect.driver.client import Client
+
+from processors.rows import dead_letter_row
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +74,24 @@ def encode_rows(rows: list[dict[str, Any]]) -> bytes:
     return orjson.dumps(rows, default=_unencodable)
 
 
+DEAD_LETTERS_TABLE = "dead_letters"
+
+
+#: what identifies a row in any table (its dedup key, or where its message was)
+_ROW_IDENTITY = ("event_id", "run_id", "id", "version", "kafka_partition", "kafka_offset")
+
+
+def unstorable_letter(table: str, row: dict[str, Any], exc: Exception) -> dict[str, Any]:
+    """A ``dead_letters`` row for a row the insert cannot encode. Its id is derived from
+    the row's key, so a redelivered batch rewrites the same letter."""
+    key = ":".join([table, *(str(row.get(name, "")) for name in _ROW_IDENTITY)])
+    payload = json.dumps(row, default=str, ensure_ascii=False).encode()
+    return dead_letter_row(
+        hashlib.sha256(key.encode()).hexdigest()[:32], f"sink:{table}",
+        f"unstorable {table} row: {type(exc).__name__}: {str(exc)[:300]}",
+        str(row.get("run_id") or ""), payload, datetime.now(UTC))
+
+
 #: how ClickHouse reads :func:`encode_rows` output. ``optimize_on_insert`` off: every
 #: reader deduplicates with ``FINAL`` anyway (a redelivered batch arrives in another
 #: insert), so collapsing each block's duplicate keys at insert bought nothing and cost
@@ -88,11 +111,37 @@ class ClickHouseSink:
 
     def __init__(self, client: Client) -> None:
         self._client = client
+        self.unstorable = 0
 
     def write_batch(self, batch: RowBatch) -> None:
         for table, rows in batch.tables.items():
             if rows:
-                self.write_json(table, encode_rows(rows))
+                self.write_json(table, self._encoded(table, rows))
+
+    def _encoded(self, table: str, rows: list[dict[str, Any]]) -> bytes:
+        """The rows encoded; a row that cannot be (a value no column takes, which
+        validation should have refused) becomes a dead letter with the error, so that
+        a retry of the batch is not a stall of every table. Raises only if the store
+        refuses the letters."""
+        try:
+            return encode_rows(rows)
+        except (TypeError, ValueError):
+            pass
+        good: list[dict[str, Any]] = []
+        letters: list[dict[str, Any]] = []
+        for row in rows:
+            try:
+                encode_rows([row])
+            except (TypeError, ValueError) as exc:
+                letters.append(unstorable_letter(table, row, exc))
+            else:
+                good.append(row)
+        self.unstorable += len(letters)
+        log.error("%d %s rows cannot be stored (%s); dead-lettered", len(letters), table,
+                  letters[0]["reason"] if letters else "")
+        if letters:
+            self.write_json(DEAD_LETTERS_TABLE, encode_rows(letters))
+        return encode_rows(good)
 
     def write_json(self, table: str, data: bytes) -> None:
         """Insert rows already encoded by :func:`encode_rows`."""

@@ -162,7 +162,13 @@ class TableRunStore:
         raw = self._table.data.get(key)
         if raw is None or isinstance(raw, RunState):
             return raw
-        state = RunState.from_dict(orjson.loads(raw))
+        try:
+            state = RunState.from_dict(orjson.loads(raw))
+        except Exception as exc:  # cut short, or from an incompatible build
+            log.error("the changelogged state of run %r cannot be read (%r); the run is "
+                      "taken from the store instead", run_id, exc)
+            del self._table.data[key]
+            return None
         self._table.data[key] = state
         return state
 

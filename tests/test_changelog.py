@@ -8,13 +8,19 @@ recovery does (last value per key) and check it holds the states the runs table 
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 import orjson
 
+from ingest.events import Step
 from ingest.sdk import Emitter, RunContext
+from ingest.wire import encode_event
 from loopwatch.config import Settings
 from loopwatch.embedded.broker import EmbeddedBroker
+from processors.app import Processor
+from processors.pipeline import RawMessage
 from processors.runs import RunState, seen_ids
+from processors.sink import RowBatch
 from tests.conftest import read_to_end, scalar, wait_for
 
 CHANGELOG_TOPIC = f"{Settings().consumer_group}-runs-changelog"
@@ -74,3 +80,32 @@ def test_changelog_holds_the_latest_state_of_open_and_closed_runs(
     assert emitter.flush(30)
     wait_for(lambda: (state := recovered_state(broker.bootstrap, still_open.run_id))
              and state.steps == 2, 60, what="the open run's next step on the changelog")
+
+
+class _Discard:
+    """A sink that keeps nothing: the test reads the pipeline's work, not the store."""
+
+    def write_batch(self, batch: RowBatch) -> None:
+        return None
+
+
+def test_a_changelogged_state_that_cannot_be_read_is_read_from_the_store_instead(
+        tmp_path: Path):
+    """A run's value on the changelog that does not decode (cut short, or written by an
+    incompatible build) raised on every event of that run, and during the sweep's
+    re-index stopped abandonment for every run. The processor now drops it and takes
+    the run from ClickHouse (``lookup_run``, as for a run it never saw), so counting
+    goes on from the last stored row. The faust table is real (memory store, nothing
+    started: no broker is needed to read and write its data)."""
+    stored = RunState(run_id="cut-short", partition=0, agent="a", first_ms=1_000,
+                      last_ms=2_000, steps=4, version=5)
+    processor = Processor(Settings(data_dir=tmp_path), "127.0.0.1:1", _Discard(),
+                          lookup_run=lambda run_id: stored if run_id == "cut-short" else None)
+    processor.table.data[b"cut-short"] = b'{"run_id": "cut-short", "partition": 0, "ste'
+    assert processor.store.get("cut-short") is None
+    step = Step(run_id="cut-short", agent="a", step=4)
+    work = processor.pipeline.process([RawMessage("loopwatch.events", 0, 0,
+                                                  encode_event(step))])
+    assert work.dead == []
+    (row,) = work.rows.tables["runs"]
+    assert (row["run_id"], row["steps"], row["version"]) == ("cut-short", 5, 6)

@@ -104,9 +104,9 @@ class KafkaWrites:
     (state changelog, dead letters) wait out a broker outage as their ClickHouse writes
     do (:class:`processors.sink.RetryingSink`).
 
-    A send that gives up (after ``producer_request_timeout_s``) used to fail its whole
-    write: a batch's messages then stayed unacked and every later batch waited on them,
-    so offsets stopped being committed; the sweep's write crashed the faust app, and
+    Without it, a send that gives up (after ``producer_request_timeout_s``) fails its
+    whole write: a batch's messages stay unacked and every later batch waits on them,
+    so no offset is committed again; in the sweep timer it crashes the faust app, and
     with it ``loopwatch up`` and the memory of its embedded broker. Sending a record
     twice is harmless: the changelog keeps a run's last value, and a dead letter's id
     is its key.

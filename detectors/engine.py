@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 Query = Callable[[str, dict[str, Any]], QueryResult]
 Write = Callable[[str, list[dict[str, Any]]], None]
 EVIDENCE_ROWS = 10
+EVENT_NOW_SQL = """SELECT max(ts), count() FROM events
+WHERE ts <= {limit:DateTime64(3, 'UTC')}"""
 #: history rows kept in memory while the store refuses them (~1 KB each)
 MAX_UNWRITTEN_ROWS = 50_000
 
@@ -50,6 +52,8 @@ class Policy:
     tool_criticality: dict[str, str] = field(default_factory=dict)
     daily_budget_usd: dict[str, float] = field(default_factory=dict)
     link_base_url: str = ""
+    #: event times further ahead of the wall clock are not event time (as in the pipeline)
+    max_clock_skew: timedelta = timedelta(minutes=5)
 
     def silenced(self, alert: Alert, now: datetime) -> bool:
         for silence in self.silences:
@@ -96,12 +100,17 @@ class DetectorEngine:
         return None
 
     def event_now(self) -> datetime | None:
-        """Event time: the newest event stored (None before the first one)."""
-        latest = self.query("SELECT max(ts), count() FROM events", {}).rows
+        """Event time: the newest event stored (None before the first one), leaving out
+        times more than ``max_clock_skew`` ahead of the wall clock: one agent with a
+        clock years ahead would otherwise move every event-time window into an empty
+        future, where no alert fires and firing ones resolve."""
+        latest = self.query(EVENT_NOW_SQL, {
+            "limit": datetime.now(UTC) + self.policy.max_clock_skew}).rows
         if not latest or not latest[0][1]:
             return None
         value = latest[0][0]
-        return value if isinstance(value, datetime) else datetime.fromisoformat(str(value))
+        found = value if isinstance(value, datetime) else datetime.fromisoformat(str(value))
+        return found if found.tzinfo else found.replace(tzinfo=UTC)
 
     def evaluate(self, event_now: datetime | None = None,
                  wall_now: datetime | None = None) -> list[Transition]:

@@ -53,6 +53,7 @@ def build_engine(settings: Settings, reader: Client, writer: Client) -> Detector
         tool_criticality=dict(settings.tool_criticality),
         daily_budget_usd=dict(settings.daily_budget_usd),
         link_base_url=settings.link_base_url,
+        max_clock_skew=timedelta(seconds=settings.max_clock_skew_s),
     )
     outbox = Outbox(settings.outbox_path, notifiers(settings))
     rules = with_overrides(load_rules(), settings.rule_overrides)

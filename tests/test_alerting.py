@@ -248,3 +248,21 @@ def test_a_refused_history_write_does_not_swallow_the_page(local_store, tmp_path
     detector.evaluate(event_now=NOW, wall_now=NOW + timedelta(minutes=1))
     assert len(mine(hook, agent)) == 1
     assert history() == [("stuck_run", "firing")]
+
+
+def test_one_agent_with_a_clock_years_ahead_does_not_blind_event_time_rules(local_store):
+    """Event-clock rules evaluate at event time, the newest stored ``ts``. The pipeline
+    stores a far-future timestamp as sent (and keeps it out of its own watermark); the
+    detectors took it as 'now', so every event-time window looked at an empty future:
+    no alert fired, and firing ones resolved. Like the pipeline, they now ignore times
+    more than ``max_clock_skew_s`` ahead of the wall clock."""
+    fleet = Fleet(local_store)
+    agent = f"clock-{uuid.uuid4().hex[:8]}"
+    fleet.run(agent, datetime(2100, 1, 1, tzinfo=UTC))
+    recent = datetime.now(UTC).replace(microsecond=0) - timedelta(seconds=30)
+    fleet.run(agent, recent, steps=1)
+    fleet.flush()
+    detector = engine(local_store)  # the default skew, 5 minutes, as the settings
+    now = detector.event_now()
+    assert now is not None
+    assert recent <= now <= datetime.now(UTC) + timedelta(minutes=5)

@@ -21,8 +21,8 @@ import hashlib
 import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta
-from typing import Any, Literal
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal, overload
 from urllib.parse import quote
 
 import orjson
@@ -70,11 +70,28 @@ class Alert:
         return cls(
             fingerprint=row["fingerprint"], rule=row["rule"], severity=row["severity"],
             labels=dict(row["labels"]), playbook=row["playbook"], summary=row["summary"],
-            value=float(row["value"]), state=row["state"], started_at=row["started_at"],
-            fired_at=row["fired_at"], resolved_at=row["resolved_at"],
+            value=float(row["value"]), state=row["state"],
+            started_at=_utc(row["started_at"]), fired_at=_utc(row["fired_at"]),
+            resolved_at=_utc(row["resolved_at"]),
             evidence=orjson.loads(row["evidence"] or "{}"), link=row["link"],
             version=int(row["version"]),
         )
+
+
+@overload
+def _utc(value: datetime) -> datetime: ...
+@overload
+def _utc(value: None) -> None: ...
+def _utc(value: datetime | None) -> datetime | None:
+    """A time read back from ClickHouse (UTC, but without a zone) as an aware one, so it
+    compares with a pass's 'now'.
+
+    >>> _utc(datetime(2026, 1, 1)).isoformat(), _utc(None)
+    ('2026-01-01T00:00:00+00:00', None)
+    """
+    if value is None or value.tzinfo is not None:
+        return value
+    return value.replace(tzinfo=UTC)
 
 
 REPLAY_EVIDENCE = "Replay the runs it names"

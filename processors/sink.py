@@ -75,8 +75,6 @@ def encode_rows(rows: list[dict[str, Any]]) -> bytes:
 
 
 DEAD_LETTERS_TABLE = "dead_letters"
-
-
 #: what identifies a row in any table (its dedup key, or where its message was)
 _ROW_IDENTITY = ("event_id", "run_id", "id", "version", "kafka_partition", "kafka_offset")
 
@@ -136,10 +134,10 @@ class ClickHouseSink:
                 letters.append(unstorable_letter(table, row, exc))
             else:
                 good.append(row)
-        self.unstorable += len(letters)
-        log.error("%d %s rows cannot be stored (%s); dead-lettered", len(letters), table,
-                  letters[0]["reason"] if letters else "")
         if letters:
+            self.unstorable += len(letters)
+            log.error("%d %s rows cannot be stored (%s); dead-lettered", len(letters),
+                      table, letters[0]["reason"])
             self.write_json(DEAD_LETTERS_TABLE, encode_rows(letters))
         return encode_rows(good)
 

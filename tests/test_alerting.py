@@ -266,3 +266,23 @@ def test_one_agent_with_a_clock_years_ahead_does_not_blind_event_time_rules(loca
     now = detector.event_now()
     assert now is not None
     assert recent <= now <= datetime.now(UTC) + timedelta(minutes=5)
+
+
+def test_a_pending_alert_restored_after_a_restart_still_fires(local_store):
+    """A new detector process restores open alerts from the ``alerts`` table, whose
+    times come back without a time zone, while a pass's 'now' has one: the first
+    comparison (has the pending alert waited its for-duration?) raised, and every pass
+    after a restart failed before any rule could fire or resolve. Restored times are
+    UTC-aware now."""
+    agent = stuck_runs(local_store, 1)
+    overrides = [{"rule": "stuck_run", "match": {"agent": agent}, "for": "10m"}]
+    first = engine(local_store, overrides=overrides)
+    pending = [t for t in first.evaluate(event_now=NOW, wall_now=NOW)
+               if t.alert.labels.get("agent") == agent]
+    assert [t.kind for t in pending] == ["pending"]
+    restarted = engine(local_store, overrides=overrides)
+    assert pending[0].alert.fingerprint in restarted.book.open
+    later = NOW + timedelta(minutes=11)
+    fired = [t for t in restarted.evaluate(event_now=later, wall_now=later)
+             if t.alert.labels.get("agent") == agent]
+    assert [(t.kind, t.alert.started_at) for t in fired] == [("fired", NOW)]

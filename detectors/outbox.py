@@ -55,6 +55,15 @@ class Outbox:
             return []
 
     def _save(self) -> None:
+        """Write the entries to disk; if that fails (a full disk), they stay in memory
+        and are delivered all the same, only not across a restart."""
+        try:
+            self._write_entries()
+        except OSError:
+            log.exception("could not save the outbox to %s; %d notification batches are "
+                          "kept in memory only", self.path, len(self._entries))
+
+    def _write_entries(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         temporary = self.path.with_suffix(".tmp")
         with temporary.open("wb") as handle:

@@ -286,3 +286,24 @@ def test_a_pending_alert_restored_after_a_restart_still_fires(local_store):
     fired = [t for t in restarted.evaluate(event_now=later, wall_now=later)
              if t.alert.labels.get("agent") == agent]
     assert [(t.kind, t.alert.started_at) for t in fired] == [("fired", NOW)]
+
+
+def test_an_outbox_that_cannot_save_still_pages_and_the_history_is_written(
+        local_store, tmp_path, hook):
+    """The outbox saves each notification to disk before the first attempt. When it
+    cannot (disk full; here its directory replaced by a file), the error left the pass
+    before its history rows were queued, and they were lost. The notification is kept
+    in memory and delivered, the failure is logged, and the history is written."""
+    agent = stuck_runs(local_store, 1)
+    detector = own_engine(local_store, tmp_path, hook)
+    assert detector.outbox is not None
+    spool = tmp_path / "outbox-dir"
+    detector.outbox.path = spool / "outbox.jsonl"
+    spool.write_text("not a directory")
+    detector.evaluate(event_now=NOW, wall_now=NOW)
+    assert len(mine(hook, agent)) == 1
+    assert detector.outbox.pending == 0
+    _, client = local_store
+    assert client.query("SELECT rule, state FROM alerts FINAL WHERE labels['agent'] = "
+                        "{a:String}", parameters={"a": agent}).result_rows == [
+        ("stuck_run", "firing")]

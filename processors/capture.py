@@ -15,7 +15,6 @@ the dead letters with the reason, like an event that cannot be read.
 
 from __future__ import annotations
 
-import hashlib
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
@@ -144,7 +143,7 @@ class CaptureStage:
         """As :meth:`processors.pipeline.Pipeline._dead_letter`: the id is derived from
         the message's position, so a redelivery rewrites the same row."""
         source = f"{message.topic}:{message.partition}:{message.offset}:0"
-        letter_id = hashlib.sha256(source.encode()).hexdigest()[:32]
+        letter_id = rows.letter_id(source)
         payload = message.value or b""
         run_id = ""
         try:

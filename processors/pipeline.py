@@ -23,7 +23,6 @@ rebuilt from the store when the owner says the state changed under it (a rebalan
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import logging
 import time
@@ -74,8 +73,6 @@ class RunStore(Protocol):
         ...
 
 
-#: how much of an exception's message a dead letter's reason keeps
-REASON_CHARS = 300
 #: width of a deadline bucket (event-time ms): a sweep revisits at most one bucket's
 #: runs that are not due yet
 DEADLINE_BUCKET_MS = 10_000
@@ -306,7 +303,7 @@ class Pipeline:
         self, work: Work, message: RawMessage, index: int, letter: DeadLetter, now: datetime
     ) -> None:
         source = f"{message.topic}:{message.partition}:{message.offset}:{index}"
-        letter_id = hashlib.sha256(source.encode()).hexdigest()[:32]
+        letter_id = rows.letter_id(source)
         record = DeadLetterRecord(letter_id, source, letter.reason, letter.run_id, letter.payload)
         self.counters.dead_letters += 1
         work.dead.append(record)
@@ -328,23 +325,24 @@ class Pipeline:
         run has not seen it and a replay is applied in full; otherwise the replay counts
         as a redelivery, so nothing is counted twice. The first failures and every
         thousandth are logged with their traceback; all are counted."""
-        self.counters.processing_errors += 1
-        failures = self.counters.processing_errors
-        if failures <= 10 or failures % 1000 == 0:
-            log.error("processing failed (%d so far) on %s:%d:%d, run %r", failures,
-                      message.topic, message.partition, message.offset, run_id, exc_info=exc)
-        reason = f"processing failed: {type(exc).__name__}: {str(exc)[:REASON_CHARS]}"
+        self._count_failure(exc, "on %s:%d:%d, run %r", message.topic, message.partition,
+                            message.offset, run_id)
+        reason = rows.failure_reason("processing failed", exc)
         self._dead_letter(work, message, letter_index, DeadLetter(reason, payload, run_id),
                           now)
 
     def _state_failed(self, doing: str, run_id: str, exc: Exception) -> None:
         """Count and log a run state the pipeline raised on outside any event: the run
         keeps its last stored row, its events are stored all the same."""
+        self._count_failure(exc, "%s the state of run %r", doing, run_id)
+
+    def _count_failure(self, exc: Exception, where: str, *args: object) -> None:
+        """Count a processing failure; log it with its traceback for the first ten and
+        then every thousandth (``where`` and ``args`` say what failed, %-style)."""
         self.counters.processing_errors += 1
         failures = self.counters.processing_errors
         if failures <= 10 or failures % 1000 == 0:
-            log.error("processing failed (%d so far) %s the state of run %r", failures,
-                      doing, run_id, exc_info=exc)
+            log.error("processing failed (%d so far) " + where, failures, *args, exc_info=exc)
 
     def _state_for(
         self, touched: dict[str, RunState], event: EventBase, partition: int, when: int

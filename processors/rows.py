@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from datetime import UTC, datetime
 from typing import Any
 
@@ -241,6 +242,25 @@ def run_row(state: RunState) -> dict[str, Any]:
         "version": state.version,
         "state": orjson.dumps(state.to_dict(with_seen=False)).decode(),
     }
+
+
+#: how much of an exception's message a dead letter's reason keeps
+REASON_CHARS = 300
+
+
+def letter_id(source: str) -> str:
+    """A dead letter's id, derived from where it came from, so a redelivery of the same
+    input rewrites the same ``dead_letters`` row."""
+    return hashlib.sha256(source.encode()).hexdigest()[:32]
+
+
+def failure_reason(prefix: str, exc: Exception) -> str:
+    """A dead letter's reason for an exception: ``<prefix>: <type>: <message>``, cut.
+
+    >>> failure_reason("processing failed", ZeroDivisionError("planted bug"))
+    'processing failed: ZeroDivisionError: planted bug'
+    """
+    return f"{prefix}: {type(exc).__name__}: {str(exc)[:REASON_CHARS]}"
 
 
 def dead_letter_row(

@@ -10,7 +10,6 @@ every table is keyed so that re-writing a row is harmless (ReplacingMergeTree on
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -23,7 +22,7 @@ from typing import Any, Protocol
 import orjson
 from clickhouse_connect.driver.client import Client
 
-from processors.rows import dead_letter_row
+from processors.rows import dead_letter_row, failure_reason, letter_id
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +84,7 @@ def unstorable_letter(table: str, row: dict[str, Any], exc: Exception) -> dict[s
     key = ":".join([table, *(str(row.get(name, "")) for name in _ROW_IDENTITY)])
     payload = json.dumps(row, default=str, ensure_ascii=False).encode()
     return dead_letter_row(
-        hashlib.sha256(key.encode()).hexdigest()[:32], f"sink:{table}",
-        f"unstorable {table} row: {type(exc).__name__}: {str(exc)[:300]}",
+        letter_id(key), f"sink:{table}", failure_reason(f"unstorable {table} row", exc),
         str(row.get("run_id") or ""), payload, datetime.now(UTC))
 
 

@@ -21,13 +21,14 @@ import hashlib
 import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime, timedelta
-from typing import Any, Literal, overload
+from datetime import datetime, timedelta
+from typing import Any, Literal
 from urllib.parse import quote
 
 import orjson
 
 from detectors.rules import Finding, Rule
+from loopwatch.store.clickhouse import read_time
 
 AlertState = Literal["pending", "firing", "resolved"]
 
@@ -71,27 +72,11 @@ class Alert:
             fingerprint=row["fingerprint"], rule=row["rule"], severity=row["severity"],
             labels=dict(row["labels"]), playbook=row["playbook"], summary=row["summary"],
             value=float(row["value"]), state=row["state"],
-            started_at=_utc(row["started_at"]), fired_at=_utc(row["fired_at"]),
-            resolved_at=_utc(row["resolved_at"]),
+            started_at=read_time(row["started_at"]), fired_at=read_time(row["fired_at"]),
+            resolved_at=read_time(row["resolved_at"]),
             evidence=orjson.loads(row["evidence"] or "{}"), link=row["link"],
             version=int(row["version"]),
         )
-
-
-@overload
-def _utc(value: datetime) -> datetime: ...
-@overload
-def _utc(value: None) -> None: ...
-def _utc(value: datetime | None) -> datetime | None:
-    """A time read back from ClickHouse (UTC, but without a zone) as an aware one, so it
-    compares with a pass's 'now'.
-
-    >>> _utc(datetime(2026, 1, 1)).isoformat(), _utc(None)
-    ('2026-01-01T00:00:00+00:00', None)
-    """
-    if value is None or value.tzinfo is not None:
-        return value
-    return value.replace(tzinfo=UTC)
 
 
 REPLAY_EVIDENCE = "Replay the runs it names"

@@ -28,7 +28,7 @@ from detectors.alerts import (
 )
 from detectors.outbox import Outbox
 from detectors.rules import Finding, Rule, SeriesState, evaluate, load_rules
-from loopwatch.store.clickhouse import QueryResult
+from loopwatch.store.clickhouse import QueryResult, read_time
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +109,8 @@ class DetectorEngine:
         if not latest or not latest[0][1]:
             return None
         value = latest[0][0]
-        found = value if isinstance(value, datetime) else datetime.fromisoformat(str(value))
-        return found if found.tzinfo else found.replace(tzinfo=UTC)
+        return read_time(value if isinstance(value, datetime)
+                         else datetime.fromisoformat(str(value)))
 
     def evaluate(self, event_now: datetime | None = None,
                  wall_now: datetime | None = None) -> list[Transition]:

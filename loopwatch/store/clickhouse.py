@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import resources
-from typing import Any
+from typing import Any, overload
 from urllib.parse import urlparse
 
 import clickhouse_connect
@@ -44,6 +44,22 @@ def clickhouse_time(value: datetime) -> str:
     if value.tzinfo is not None:
         value = value.astimezone(UTC).replace(tzinfo=None)
     return value.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+@overload
+def read_time(value: datetime) -> datetime: ...
+@overload
+def read_time(value: None) -> None: ...
+def read_time(value: datetime | None) -> datetime | None:
+    """A time as a query returns it (UTC, but without a zone) made aware, so it compares
+    with ``datetime.now(UTC)``; the inverse of :func:`clickhouse_time`.
+
+    >>> read_time(datetime(2026, 1, 1)).isoformat(), read_time(None)
+    ('2026-01-01T00:00:00+00:00', None)
+    """
+    if value is None or value.tzinfo is not None:
+        return value
+    return value.replace(tzinfo=UTC)
 
 
 def connect(settings: Settings, database: str | None = None) -> Client:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import base64
 import sys
+import types
+import typing
 import uuid
 from dataclasses import dataclass, fields
 from typing import Any
@@ -110,7 +112,17 @@ class RunState:
         """Also reads states written before the compact form (``seen`` as a list of ids),
         and states a newer build wrote: fields this build does not know are left out, so
         a rollback or a rolling deploy can still fold those runs (a field it lacks takes
-        its default)."""
+        its default). A field of another type (an incompatible build, a hand edit) is a
+        ``TypeError`` here, where readers take the run from elsewhere, rather than on
+        every later event of the run.
+
+        >>> RunState.from_dict({"run_id": "r", "partition": 0, "cost_usd": 1}).cost_usd
+        1
+        >>> RunState.from_dict({"run_id": "r", "partition": 0, "started_ms": "at dawn"})
+        Traceback (most recent call last):
+        ...
+        TypeError: run state field started_ms holds a str
+        """
         values = {name: value for name, value in data.items() if name in _FIELD_NAMES}
         seen = values.get("seen") or ""
         if isinstance(seen, str):
@@ -118,6 +130,7 @@ class RunState:
         else:
             values["seen"] = _unpacked(b"".join(uuid.UUID(str(text)).bytes for text in seen))
         values["recent_actions"] = values.get("recent_actions") or None
+        _check_types(values)
         for name in _SHARED_STRINGS:
             text = values.get(name)
             if isinstance(text, str):
@@ -159,6 +172,31 @@ DIMENSIONS = ("agent", "agent_version", "task_type", "model", "prompt_version",
 #: may hand every event its own copy of each string (msgspec does; pydantic caches
 #: them), and so does orjson reading a changelog; the copies cost ~330 B per open run
 _SHARED_STRINGS = (*DIMENSIONS, "terminal_reason", "cap", "verdict", "label_source")
+
+
+def _accepted_types(hint: Any) -> tuple[type, ...]:
+    """The classes a JSON-read value of a field may have: a float field takes an int
+    (JSON does not tell 1.0 from 1)."""
+    accepted: list[type] = []
+    for part in typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,):
+        cls = typing.get_origin(part) or part
+        accepted.extend((float, int) if cls is float else (cls,))
+    return tuple(accepted)
+
+
+_FIELD_TYPES = {name: _accepted_types(hint)
+                for name, hint in typing.get_type_hints(RunState).items()}
+
+
+def _check_types(values: dict[str, Any]) -> None:
+    """Raise ``TypeError`` unless every value has its field's type (a bool is no
+    number here, though Python makes it an int)."""
+    for name, value in values.items():
+        accepted = _FIELD_TYPES[name]
+        if not isinstance(value, accepted) or (type(value) is bool and bool not in accepted):
+            raise TypeError(f"run state field {name} holds a {type(value).__name__}")
+    if any(type(action) is not str for action in values.get("recent_actions") or ()):
+        raise TypeError("run state field recent_actions holds a non-string")
 
 
 def _packed(seen: bytes | dict[bytes, None]) -> bytes:

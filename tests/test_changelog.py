@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import orjson
+import pytest
 
 from ingest.events import Step
 from ingest.sdk import Emitter, RunContext
@@ -89,23 +90,32 @@ class _Discard:
         return None
 
 
+@pytest.mark.parametrize("value", [
+    b'{"run_id": "damaged", "partition": 0, "ste',
+    b'{"run_id": "damaged", "partition": 0, "steps": "three", "last_ms": 2000}',
+    b'{"run_id": "damaged", "partition": 0, "recent_actions": [7], "last_ms": 2000}',
+], ids=["cut-short", "steps-text", "action-number"])
 def test_a_changelogged_state_that_cannot_be_read_is_read_from_the_store_instead(
-        tmp_path: Path):
-    """A run's value on the changelog that does not decode (cut short, or written by an
-    incompatible build) raised on every event of that run, and during the sweep's
-    re-index stopped abandonment for every run. The processor now drops it and takes
-    the run from ClickHouse (``lookup_run``, as for a run it never saw), so counting
-    goes on from the last stored row. The faust table is real (memory store, nothing
-    started: no broker is needed to read and write its data)."""
-    stored = RunState(run_id="cut-short", partition=0, agent="a", first_ms=1_000,
+        tmp_path: Path, value: bytes):
+    """A run's value on the changelog that does not decode (cut short) raised on every
+    event of that run, and during the sweep's re-index stopped abandonment for every
+    run. One that decodes but holds a field of another type (an incompatible build)
+    cost each of the run's events a dead letter (a text step count), or its run was
+    counted on from the wrong values (a number among the actions read as a state). The processor now
+    drops it and takes the run from ClickHouse (``lookup_run``, as for a run it never
+    saw), so counting goes on from the last stored row. The faust table is real (memory
+    store, nothing started: no broker is needed to read and write its data)."""
+    stored = RunState(run_id="damaged", partition=0, agent="a", first_ms=1_000,
                       last_ms=2_000, steps=4, version=5)
     processor = Processor(Settings(data_dir=tmp_path), "127.0.0.1:1", _Discard(),
-                          lookup_run=lambda run_id: stored if run_id == "cut-short" else None)
-    processor.table.data[b"cut-short"] = b'{"run_id": "cut-short", "partition": 0, "ste'
-    assert processor.store.get("cut-short") is None
-    step = Step(run_id="cut-short", agent="a", step=4)
-    work = processor.pipeline.process([RawMessage("loopwatch.events", 0, 0,
-                                                  encode_event(step))])
+                          lookup_run=lambda run_id: stored if run_id == "damaged" else None)
+    processor.table.data[b"damaged"] = value
+    assert processor.store.get("damaged") is None
+    steps = [Step(run_id="damaged", agent="a", step=step) for step in (5, 6)]
+    work = processor.pipeline.process([RawMessage("loopwatch.events", 0, offset,
+                                                  encode_event(step))
+                                       for offset, step in enumerate(steps)])
     assert work.dead == []
+    assert processor.pipeline.counters.processing_errors == 0
     (row,) = work.rows.tables["runs"]
-    assert (row["run_id"], row["steps"], row["version"]) == ("cut-short", 5, 6)
+    assert (row["run_id"], row["steps"], row["version"]) == ("damaged", 6, 7)

@@ -123,6 +123,12 @@ class Settings(BaseSettings):
     service_host: str = "127.0.0.1"
     service_port: int = Field(0, ge=0, le=65535, description="0 = a free port")
     session_timeout_s: float = Field(10.0, gt=0)
+    drain_timeout_s: float = Field(
+        60.0, ge=0, description="on SIGTERM a worker goes on consuming until its group "
+        "has committed everything (the embedded broker forgets it all on stop), for at "
+        "most this long; then writes the store or broker refuses stop being retried and "
+        "their batches are read again after a restart. Keep it below the supervisor's "
+        "grace period")
     producer_request_timeout_s: float = Field(
         1200.0, gt=0, description="a processor's write to Kafka (state changelog, dead "
         "letters) gives up after this long and is sent again, until the broker takes it")

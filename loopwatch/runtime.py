@@ -2,9 +2,10 @@
 
 Start order: broker, topics, schema, store service, faust worker. Stop order is the
 reverse, and a SIGINT/SIGTERM first drains: the worker keeps consuming until the
-group's committed offsets reach the end of the events topic (or ``drain_timeout_s``
-passes), because the embedded broker forgets everything when it stops. A signal that
-arrives while starting is held until the worker runs, then drains the same way.
+group's committed offsets reach the end of the events topic (or the setting
+``drain_timeout_s`` passes), because the embedded broker forgets everything when it
+stops. A signal that arrives while starting is held until the worker runs, then drains
+the same way; a second signal stops at once.
 """
 
 from __future__ import annotations
@@ -55,14 +56,13 @@ class DrainingWorker(faust.Worker):
     faust.topics), ~10 % of the processor's CPU.
     """
 
-    def __init__(self, processor: Processor, bootstrap: str, drain_timeout_s: float,
+    def __init__(self, processor: Processor, bootstrap: str,
                  stop_requested: threading.Event, **kwargs: Any) -> None:
         super().__init__(processor.app, **kwargs)
         self.spinner = None  # before execute_from_commandline sets up logging
         self._processor = processor
         self._bootstrap = bootstrap
         self._stop_requested = stop_requested
-        self._drain_timeout_s = drain_timeout_s
         self._draining = False
         self._drain_task: asyncio.Future[None] | None = None
 
@@ -80,16 +80,22 @@ class DrainingWorker(faust.Worker):
 
     def _drain_then_stop(self) -> None:
         if self._draining:
-            super()._on_sigterm()
+            self._stop_now()
             return
         self._draining = True
         self._drain_task = asyncio.ensure_future(self._drain(), loop=self.loop)
+
+    def _stop_now(self) -> None:
+        """Stop faust; a write still failing gives up rather than hold the stop."""
+        self._processor.stop_retrying()
+        super()._on_sigterm()
 
     async def _drain(self) -> None:
         """Stop once the group's committed offsets reach the end of its topics."""
         settings = self._processor.settings
         loop = asyncio.get_running_loop()
-        deadline = time.monotonic() + self._drain_timeout_s
+        deadline = time.monotonic() + settings.drain_timeout_s
+        lag = None
         try:
             probe = await loop.run_in_executor(None, LagProbe, self._bootstrap,
                                                settings.consumer_group, settings.events_topic,
@@ -105,8 +111,13 @@ class DrainingWorker(faust.Worker):
                 probe.close()
         except Exception:
             log.exception("drain failed; stopping without it")
-        log.warning("drained; stopping")
-        super()._on_sigterm()
+        if lag == 0:
+            log.warning("drained; stopping")
+        else:
+            log.warning("not drained in %.0f s (%s messages left); stopping: what is not "
+                        "committed is read again after a restart", settings.drain_timeout_s,
+                        "?" if lag is None else lag)
+        self._stop_now()
 
 
 #: a run's stored event ids, oldest first: its ``seen`` set (``runs.state`` leaves it out)
@@ -193,8 +204,7 @@ INSERTABLE = frozenset({"events", "events_in", "llm_calls", "tool_calls", "runs"
                         "capture_staging_blobs"})
 
 
-def run_worker(settings: Settings, loglevel: str = "warning",
-               drain_timeout_s: float = 60.0) -> None:
+def run_worker(settings: Settings, loglevel: str = "warning") -> None:
     """An extra processor process: the same faust app in the same consumer group, writing
     through the store owner (embedded) or straight to the ClickHouse server."""
     stop_requested = threading.Event()
@@ -218,7 +228,7 @@ def run_worker(settings: Settings, loglevel: str = "warning",
         raise RuntimeError("set LOOPWATCH_KAFKA_BOOTSTRAP for a worker against a ClickHouse server")
     open_runs, lookup_run = _store_callbacks(reader)
     processor = Processor(settings, bootstrap, sink, open_runs=open_runs, lookup_run=lookup_run)
-    worker = DrainingWorker(processor, bootstrap, drain_timeout_s, stop_requested,
+    worker = DrainingWorker(processor, bootstrap, stop_requested,
                             loglevel=loglevel, quiet=True, redirect_stdouts=False,
                             logfile=str(settings.data_dir / "logs" / f"worker-{os.getpid()}.log"))
     with contextlib.suppress(SystemExit):
@@ -305,8 +315,7 @@ def _start_otlp(settings: Settings, bootstrap: str, port: int | None) -> OtlpRec
 
 def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None = None,
            on_status: Callable[[dict[str, Any]], None] | None = None,
-           loglevel: str = "warning", drain_timeout_s: float = 60.0,
-           otlp_port: int | None = None) -> None:
+           loglevel: str = "warning", otlp_port: int | None = None) -> None:
     """Run until SIGINT/SIGTERM. ``on_ready`` gets the announcement (bootstrap, store, url);
     ``on_status`` gets the pipeline's counters every few seconds while they change."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -372,7 +381,7 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
         _sample_gauges(settings, bootstrap, connect(settings), status, detectors_stop)
         start_size_cap(settings, connect(settings), detectors_stop)
         start_decider(settings, connect(settings), detectors_stop)
-        worker = DrainingWorker(processor, bootstrap, drain_timeout_s, stop_requested,
+        worker = DrainingWorker(processor, bootstrap, stop_requested,
                                 loglevel=loglevel, quiet=True, redirect_stdouts=False,
                                 logfile=str(settings.data_dir / "logs" / "worker.log"))
         with contextlib.suppress(SystemExit):

@@ -16,6 +16,7 @@ a batch spans partitions.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import gc
@@ -34,7 +35,7 @@ from processors.capture_app import register_captures
 from processors.pipeline import DeadLetterRecord, Pipeline, RawMessage, Work
 from processors.rows import EVENTS_IN_TABLE
 from processors.runs import RunState
-from processors.sink import RetryingSink, RowBatch, Sink
+from processors.sink import RetriesStopped, RetryingSink, RowBatch, Sink
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,14 @@ def release_freed_memory() -> None:
         _malloc_trim()
 
 
+def _report_unstored(acked: asyncio.Future[None]) -> None:
+    """Log a batch left unacked because its writes stopped retrying (the worker is
+    stopping); the agent may no longer be there to await it."""
+    if not acked.cancelled() and isinstance(acked.exception(), RetriesStopped):
+        log.warning("stopping with a batch not stored (%s); it is read again after a "
+                    "restart", acked.exception())
+
+
 class KafkaWrites:
     """Sends to Kafka again until the broker takes them: the processors' writes to Kafka
     (state changelog, dead letters) wait out a broker outage as their ClickHouse writes
@@ -114,10 +123,16 @@ class KafkaWrites:
 
     def __init__(self, retry_s: float) -> None:
         self._retry_s = retry_s
+        self._stopping = asyncio.Event()
         self.retries = 0
 
+    def stop_retrying(self) -> None:
+        """As :meth:`processors.sink.RetryingSink.stop_retrying`, for Kafka writes."""
+        self._stopping.set()
+
     async def until_accepted(self, what: str, send: Callable[[], Awaitable[object]]) -> None:
-        """Await ``send()`` until it returns without raising (cancellation still stops)."""
+        """Await ``send()`` until it returns without raising (cancellation still stops,
+        and after :meth:`stop_retrying` a failure raises :class:`RetriesStopped`)."""
         while True:
             try:
                 await send()
@@ -126,7 +141,10 @@ class KafkaWrites:
                 self.retries += 1
                 log.warning("the broker did not take %s (%r); sending again in %.1f s",
                             what, exc, self._retry_s)
-                await asyncio.sleep(self._retry_s)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), self._retry_s)
+                if self._stopping.is_set():
+                    raise RetriesStopped(f"{what} were not sent ({exc!r})") from exc
 
 
 class TableRunStore:
@@ -304,7 +322,9 @@ class Processor:
         faust also acks a taken batch when the loop body is interrupted (its
         ``finally``), e.g. when the agent is cancelled on stop; the extra reference
         keeps such a batch's offsets uncommitted too, and a cancellation waits for the
-        batch and its writes, so it is acked with its events and runs stored.
+        batch and its writes, so it is acked with its events and runs stored, unless
+        a write fails once the processor stops retrying (:meth:`stop_retrying`): then
+        it and every later batch stay unacked.
         """
         tune_gc()
         acked: asyncio.Future[None] | None = None
@@ -320,11 +340,15 @@ class Processor:
             ]
             batch = asyncio.ensure_future(self._process_batch(messages))
             acked = asyncio.ensure_future(self._ack_when_stored(stream, events, batch, acked))
+            acked.add_done_callback(_report_unstored)
             try:
                 await asyncio.shield(batch)
             except asyncio.CancelledError:
-                await acked
+                with contextlib.suppress(RetriesStopped):
+                    await acked
                 raise
+            except RetriesStopped:
+                return
 
     async def _ack_when_stored(self, stream: Any, events: list[Any],
                                batch: asyncio.Future[list[asyncio.Future[None]]],
@@ -470,6 +494,13 @@ class Processor:
                      ("loopwatch-source", letter.source.encode())],
         ) for letter in letters]
         await asyncio.gather(*delivered)
+
+    def stop_retrying(self) -> None:
+        """The worker is stopping: writes that fail (store or broker unavailable) give
+        up instead of retrying, leaving their batches unacked (read again after a
+        restart), so that a stop during an outage ends before the supervisor's kill."""
+        self.sink.stop_retrying()
+        self.kafka_writes.stop_retrying()
 
     def caught_up(self) -> bool:
         """True when this worker owns partitions and has processed each up to its end.

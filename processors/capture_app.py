@@ -11,14 +11,18 @@ them, and a slow capture write never holds up run assembly beyond the shared sin
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from processors.capture import CaptureStage
 from processors.pipeline import RawMessage
+from processors.sink import RetriesStopped
 
 if TYPE_CHECKING:
     from processors.app import Processor
+
+log = logging.getLogger(__name__)
 
 #: Capture messages carry bodies (tens of KB each): smaller batches than events keep a
 #: batch's memory and insert size bounded.
@@ -35,11 +39,23 @@ def register_captures(processor: Processor) -> CaptureStage:
     stage = CaptureStage()
 
     async def stage_captures(stream: Any) -> None:
+        """faust acks a taken batch when the loop body ends, also by an exception or a
+        cancellation: each message carries one more reference, dropped only once the
+        batch is written, so a write cut short by a stop leaves its offsets uncommitted."""
         async for events in stream.take_events(min(MAX_BATCH, settings.batch_max_events),
                                                within=settings.batch_max_wait_s):
+            for event in events:
+                event.message.incref()
             messages = [RawMessage(e.message.topic, e.message.partition, e.message.offset,
                                    e.message.value) for e in events]
-            await processor._write(stage.process(messages, datetime.now(UTC)))
+            try:
+                await processor._write(stage.process(messages, datetime.now(UTC)))
+            except RetriesStopped as exc:
+                log.warning("stopping with captures not stored (%s); they are read again "
+                            "after a restart", exc)
+                return
+            for event in events:
+                await stream.ack(event)
 
     processor.app.agent(topic, name="stage-captures")(stage_captures)
     return stage

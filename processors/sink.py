@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-import time
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -160,18 +160,30 @@ class FaultInjectingSink:
         self._inner.write_batch(batch)
 
 
+class RetriesStopped(Exception):
+    """A write that failed while the processor stops: it is not retried, and its batch
+    stays unacknowledged, so the next processor reads the batch again."""
+
+
 class RetryingSink:
     """Blocks until the inner sink accepts the batch: the pipeline's backpressure.
 
     While the store is down the processor simply stops here, nothing is acked, and
-    Kafka keeps the backlog; when the store returns, the same batch is written.
+    Kafka keeps the backlog; when the store returns, the same batch is written. Once
+    :meth:`stop_retrying` was called a failed write raises :class:`RetriesStopped`
+    instead, so that stopping during an outage does not wait for the store.
     """
 
-    def __init__(self, inner: Sink, retry_s: float, on_failure: Any = None) -> None:
+    def __init__(self, inner: Sink, retry_s: float) -> None:
         self._inner = inner
         self._retry_s = retry_s
-        self._on_failure = on_failure
+        self._stopping = threading.Event()
         self.failures = 0
+
+    def stop_retrying(self) -> None:
+        """The processor is stopping: a write waiting to retry gives up now, and so
+        does any later write that fails."""
+        self._stopping.set()
 
     def write_batch(self, batch: RowBatch) -> None:
         while True:
@@ -181,6 +193,6 @@ class RetryingSink:
             except Exception as exc:
                 self.failures += 1
                 log.warning("store rejected a batch of %d rows (%s); retrying", len(batch), exc)
-                if self._on_failure is not None:
-                    self._on_failure(exc)
-                time.sleep(self._retry_s)
+                if self._stopping.wait(self._retry_s):
+                    raise RetriesStopped(f"a batch of {len(batch)} rows was not stored "
+                                         f"({exc})") from exc

@@ -134,6 +134,7 @@ def pipeline(broker: EmbeddedBroker, alertmanager: str,
     up = UpProcess(store_dir,
                    {**PIPELINE_ENV, "LOOPWATCH_KAFKA_BOOTSTRAP": broker.bootstrap,
                     "LOOPWATCH_FAULT_SINK_FILE": str(store_dir / "store-down"),
+                    "LOOPWATCH_DRAIN_TIMEOUT_S": "10",
                     "LOOPWATCH_ALERTMANAGER_URL": alertmanager,
                     "LOOPWATCH_DETECT_INTERVAL_S": "1",
                     "LOOPWATCH_LINK_BASE_URL": "http://loopwatch.local"})

@@ -372,6 +372,17 @@ def test_k8s_deployments():
     assert found["loopwatch-detector"]["spec"]["strategy"]["type"] == "Recreate"
 
 
+def test_processors_are_given_longer_to_stop_than_they_drain():
+    """A processor stopped during an outage drains for ``drain_timeout_s`` and then stops
+    retrying its writes: the supervisor must wait that long before it kills."""
+    drain_s = float(environment(services()["processor"]).get(
+        "LOOPWATCH_DRAIN_TIMEOUT_S", Settings().drain_timeout_s))
+    compose_grace = services()["processor"]["stop_grace_period"]
+    assert compose_grace.endswith("s") and float(compose_grace[:-1]) > drain_s + 10
+    pod = deployments()["loopwatch-processor"]["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] > drain_s + 10
+
+
 def test_k8s_config_and_secret_references_are_defined():
     documents = k8s_documents()
     configmaps = {doc["metadata"]["name"]: set(doc["data"]) for doc in documents

@@ -85,7 +85,12 @@ def test_store_unavailable_processors_wait_and_lose_nothing(
     """Guarantee: while ClickHouse refuses writes the processors stop there (nothing is
     acked, so no offset moves past the refused batch) and, once it is back, every event is
     stored exactly once. The in-process chdb store cannot be stopped on its own, so the
-    fault is injected at the sink (a marker file the sink checks; see FaultInjectingSink)."""
+    fault is injected at the sink (a marker file the sink checks; see FaultInjectingSink).
+
+    Stopped during the outage (SIGTERM), the processor drains for its
+    ``drain_timeout_s`` (10 s here), then gives up its retries and exits by itself;
+    it used to retry until the supervisor's SIGKILL. What it had not stored is read
+    again by the next processor."""
     marker = pipeline.data_dir / "store-down"
     before_outage, _ = offsets(broker.bootstrap)
     marker.touch()
@@ -104,8 +109,14 @@ def test_store_unavailable_processors_wait_and_lose_nothing(
         assert all(committed[p] <= before_outage[p] for p in committed), (
             f"offsets committed past unstored events: {committed} > {before_outage}")
         assert stored_events(reader, agent) == 0
+        assert pipeline.stop(timeout_s=80) == 0, "stopped by SIGKILL: its retries held it"
+        assert "not drained in 10 s" in (pipeline.data_dir / "logs" / "worker.log").read_text()
+        _, committed = offsets(broker.bootstrap)
+        assert all(committed[p] <= before_outage[p] for p in committed), (
+            f"a stop committed unstored events: {committed} > {before_outage}")
     finally:
         marker.unlink()
+    pipeline.start()
     wait_stored(reader, agent, 200, timeout_s=120)
     assert stored_events(reader, agent) == 200
     wait_for(lambda: all(committed >= ends[p] for p, committed

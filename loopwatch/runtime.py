@@ -221,7 +221,7 @@ def run_worker(settings: Settings, loglevel: str = "warning") -> None:
         if announced is None:
             raise RuntimeError(f"no `loopwatch up` owns the store in {settings.data_dir}; "
                                "start it first (extra workers write through it)")
-        service = ServiceReader(announced["url"])
+        service = ServiceReader(announced["url"], follow=settings)
         sink, reader = ServiceSink(service), service
         bootstrap = settings.kafka_bootstrap or announced["kafka_bootstrap"]
     if not bootstrap:

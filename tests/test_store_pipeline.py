@@ -179,6 +179,43 @@ def test_rows_through_the_store_service_equal_direct_inserts_and_redelivery_is_h
         service.stop()
 
 
+def test_an_extra_worker_follows_its_store_owner_to_a_new_address(store, tmp_path: Path):
+    """``loopwatch up`` listens on a new port each time it starts. An extra worker kept
+    the address it started with, and after a restart of the owner its every write was
+    refused and retried until the worker itself was restarted: its partitions stalled.
+    Its sink and reader now follow the data dir's announcement."""
+    settings, client = store
+    owner_dir = Settings(data_dir=tmp_path)
+
+    def owner() -> StoreService:
+        return StoreService(client, lambda: {}, owner_dir.service_file, raw_actions={
+            "insert-batch": _insert_action(lambda: connect(settings))})
+
+    first = owner()
+    service = ServiceReader(first.start({}), follow=owner_dir)
+    sink = ServiceSink(service)
+    work = Pipeline(settings, MemoryRunStore()).process(
+        messages(run_events("follow", 3.0), offset=11))
+    try:
+        sink.write_batch(work.rows)
+    finally:
+        first.stop()
+    _delete(client, "follow")
+    second = owner()
+    moved_to = second.start({})
+    try:
+        assert moved_to != first.url
+        sink.write_batch(work.rows)
+        assert service.url == moved_to
+        assert len(_rows(client, "follow")) == 5
+        assert service.query("SELECT count() FROM runs FINAL WHERE run_id = 'follow'"
+                             ).rows == [[1]]
+    finally:
+        second.stop()
+    with pytest.raises(OSError):
+        ServiceReader(moved_to).query("SELECT 1")
+
+
 def test_a_row_that_cannot_be_encoded_is_a_dead_letter_not_a_stalled_sink(store):
     """Every field is bounded when an event or capture is validated, so no row should
     ever hold what the insert cannot encode; if a future gap lets one through (here an

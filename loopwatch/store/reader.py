@@ -6,6 +6,7 @@ setting can stick to a client after a rejected write.
 
 from __future__ import annotations
 
+import logging
 import os
 import urllib.error
 import urllib.request
@@ -23,6 +24,8 @@ from loopwatch.store.clickhouse import (
     migrate,
     run_query,
 )
+
+log = logging.getLogger(__name__)
 
 
 class QueryError(RuntimeError):
@@ -45,26 +48,55 @@ class DirectReader:
 
 
 class ServiceReader:
-    """Queries a running ``loopwatch up`` over its loopback store service."""
+    """Queries a running ``loopwatch up`` over its loopback store service.
 
-    def __init__(self, url: str, timeout_s: float = 60.0) -> None:
+    ``follow`` (the data dir's settings) is for long-lived clients, the extra workers: a
+    request the service refuses to connect is tried once more at the URL the data dir's
+    announcement names now, since a restarted ``loopwatch up`` listens on a new port.
+    """
+
+    def __init__(self, url: str, timeout_s: float = 60.0, follow: Settings | None = None
+                 ) -> None:
         self.url = url.rstrip("/")
         self._timeout_s = timeout_s
+        self._follow = follow
 
     def health(self) -> dict[str, Any]:
         with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
             return dict(orjson.loads(response.read()))
 
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        request = urllib.request.Request(
-            f"{self.url}{path}", data=orjson.dumps(body, default=str),
-            headers={"Content-Type": "application/json"},
-        )
+        return dict(orjson.loads(self.send(path, orjson.dumps(body, default=str),
+                                           "application/json")))
+
+    def send(self, path: str, data: bytes, content_type: str) -> bytes:
+        """POST ``data`` and return the answer; the service's refusal is a
+        :class:`QueryError` with its message."""
+        try:
+            return self._send_once(path, data, content_type)
+        except urllib.error.URLError:
+            if not self._moved():
+                raise
+            return self._send_once(path, data, content_type)
+
+    def _send_once(self, path: str, data: bytes, content_type: str) -> bytes:
+        request = urllib.request.Request(f"{self.url}{path}", data=data,
+                                         headers={"Content-Type": content_type})
         try:
             with urllib.request.urlopen(request, timeout=self._timeout_s) as response:
-                return dict(orjson.loads(response.read()))
+                return bytes(response.read())
         except urllib.error.HTTPError as exc:
             raise QueryError(orjson.loads(exc.read()).get("error", str(exc))) from exc
+
+    def _moved(self) -> bool:
+        """Whether the followed announcement now names another live service (then
+        this reader uses it from now on)."""
+        announced = running_service(self._follow) if self._follow is not None else None
+        if announced is None or announced["url"].rstrip("/") == self.url:
+            return False
+        log.warning("the store service moved from %s to %s", self.url, announced["url"])
+        self.url = announced["url"].rstrip("/")
+        return True
 
     def query(self, sql: str, parameters: dict[str, Any] | None = None) -> QueryResult:
         wire = {key: _wire_value(value) for key, value in (parameters or {}).items()}

@@ -13,13 +13,9 @@ the owner hands each part to ClickHouse as is: no JSON inside JSON, no re-encodi
 
 from __future__ import annotations
 
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 
-import orjson
-
-from loopwatch.store.reader import QueryError, ServiceReader
+from loopwatch.store.reader import ServiceReader
 from processors.sink import RowBatch, encode_rows
 
 INSERT_PATH = "/admin/insert-batch"
@@ -49,18 +45,13 @@ def decode_batch(body: bytes) -> Iterator[tuple[str, memoryview]]:
 
 
 class ServiceSink:
-    def __init__(self, service: ServiceReader, timeout_s: float = 60.0) -> None:
-        self._url = f"{service.url}{INSERT_PATH}"
-        self._timeout_s = timeout_s
+    """Writes through the owner's store service; follows it to a new address as its
+    ``ServiceReader`` does (``follow``)."""
+
+    def __init__(self, service: ServiceReader) -> None:
+        self._service = service
 
     def write_batch(self, batch: RowBatch) -> None:
         body = encode_batch(batch)
-        if not body:
-            return
-        request = urllib.request.Request(
-            self._url, data=body, headers={"Content-Type": "application/octet-stream"})
-        try:
-            with urllib.request.urlopen(request, timeout=self._timeout_s) as response:
-                response.read()
-        except urllib.error.HTTPError as exc:
-            raise QueryError(orjson.loads(exc.read()).get("error", str(exc))) from exc
+        if body:
+            self._service.send(INSERT_PATH, body, "application/octet-stream")

@@ -128,6 +128,42 @@ def test_a_damaged_spool_line_is_sent_on_and_the_emitter_keeps_going(
     assert sum(len(d.dead) for d in decoded) == 1
 
 
+def test_an_unexpected_failure_in_the_sender_spools_its_batch_and_sending_goes_on(
+        broker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The emitter's one sender thread must outlive any error: an exception nobody
+    foresaw (injected here into one send; the broker is real) spools the batch it was
+    sending, counts it, and the batch is resent from the spool with everything after."""
+    topic = f"sdk-{uuid.uuid4().hex[:8]}"
+    create_topic(broker.bootstrap, topic, partitions=1)
+    with Emitter(broker.bootstrap, topic, tmp_path / "spool") as emitter:
+        emitter.emit(Step(run_id="sender-fails", agent="a", step=0))
+        assert emitter.flush(30)
+        send_message = emitter._send_message
+        failures: list[int] = []
+
+        def fail_once(partition: int, chunk: list[bytes]) -> None:
+            if not failures:
+                failures.append(len(chunk))
+                raise RuntimeError("injected: a failure nobody foresaw")
+            send_message(partition, chunk)
+
+        monkeypatch.setattr(emitter, "_send_message", fail_once)
+        for step in (1, 2, 3):
+            emitter.emit(Step(run_id="sender-fails", agent="a", step=step))
+        deadline = time.monotonic() + 30
+        while not (failures and emitter.stats.resent >= failures[0]) \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        emitter.emit(Step(run_id="sender-fails", agent="a", step=4))
+        assert emitter.flush(30)
+        assert emitter._thread.is_alive()
+    assert (emitter.stats.send_errors, emitter.stats.spooled, emitter.stats.resent) == (
+        1, failures[0], failures[0])
+    assert emitter.spool.size() == 0
+    steps = [event["step"] for _, event in read_all(broker.bootstrap, topic)]
+    assert sorted(steps) == [0, 1, 2, 3, 4]
+
+
 def test_an_extra_integer_beyond_64_bits_is_sent_digit_for_digit(broker, tmp_path: Path):
     """emit() raised TypeError in the agent's own code for such an unknown field (a
     30-digit id); it now travels exactly, with the events around it."""

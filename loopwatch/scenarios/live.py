@@ -21,6 +21,7 @@ from typing import Any
 from ingest.sdk import Emitter
 from loopwatch.scenarios import FLEET, Scenario
 from loopwatch.scenarios.traffic import Injection, Traffic
+from loopwatch.store.clickhouse import read_time
 from loopwatch.upprocess import UpProcess
 
 ALERTS_SQL = """
@@ -68,9 +69,8 @@ def run_live(scenario: Scenario, data_dir: Path, *, speed: float = 60.0, seed: i
     first: dict[str, float] = {}
     for row in mine:
         when = row["first_fired"]
-        moment_fired = when if isinstance(when, datetime) else datetime.fromisoformat(str(when))
-        if moment_fired.tzinfo is None:
-            moment_fired = moment_fired.replace(tzinfo=UTC)
+        moment_fired = read_time(when if isinstance(when, datetime)
+                                 else datetime.fromisoformat(str(when)))
         first.setdefault(row["rule"], (moment_fired - inject_at).total_seconds())
     caught = [rule for rule in scenario.expected if rule in first]
     return {

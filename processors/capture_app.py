@@ -3,8 +3,8 @@
 One more agent on the processors' faust app (same consumer group, same sink, same
 dead-letter topic). Delivery guarantee as for events: a batch's rows are written
 through the sink (which blocks and retries until the store accepts them) and only then
-does the agent return to faust, which acks the batch and later commits its offsets;
-a crash before that redelivers the batch and the keyed rows are rewritten unchanged.
+are its messages acked, and faust later commits their offsets; a crash or a stop
+before that redelivers the batch and the keyed rows are rewritten unchanged.
 Bodies travel on their own topic so that the run pipeline's hot path never carries
 them, and a slow capture write never holds up run assembly beyond the shared sink.
 """

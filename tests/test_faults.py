@@ -12,8 +12,10 @@ from loopwatch.config import Settings
 from loopwatch.embedded.broker import EmbeddedBroker
 from loopwatch.upprocess import UpProcess
 from tests.conftest import scalar, stored_events, wait_for, wait_stored
+from tests.test_capture import reassemble, wait_decided
 
 RUNS = 1500
+PROMPT = [{"role": "user", "content": "Refund order 7, please."}]
 SETTINGS = Settings()
 
 
@@ -90,7 +92,7 @@ def test_store_unavailable_processors_wait_and_lose_nothing(
     Stopped during the outage (SIGTERM), the processor drains for its
     ``drain_timeout_s`` (10 s here), then gives up its retries and exits by itself;
     it used to retry until the supervisor's SIGKILL. What it had not stored is read
-    again by the next processor."""
+    again by the next processor, the captured bodies of a run too."""
     marker = pipeline.data_dir / "store-down"
     before_outage, _ = offsets(broker.bootstrap)
     marker.touch()
@@ -100,7 +102,11 @@ def test_store_unavailable_processors_wait_and_lose_nothing(
             with emitter.run(agent=agent, model="gpt-4o") as run:
                 run.step()
                 run.llm_call(input_tokens=100, output_tokens=10)
+        with emitter.run(agent=agent, model="gpt-4o") as captured:
+            captured.llm_call(prompt=PROMPT, response="No refund.", input_tokens=100)
+            captured.end("cannot_complete")
         assert emitter.flush(30)
+        assert emitter.stats.captures_sent == 1
         wait_for(lambda: pipeline.health()["sink_failures"] >= failures_before + 3, 60,
                  what="the processors to hit the unavailable store")
         time.sleep(2)  # two commit intervals: a wrongly acked batch would be committed now
@@ -117,8 +123,8 @@ def test_store_unavailable_processors_wait_and_lose_nothing(
     finally:
         marker.unlink()
     pipeline.start()
-    wait_stored(reader, agent, 200, timeout_s=120)
-    assert stored_events(reader, agent) == 200
+    wait_stored(reader, agent, 203, timeout_s=120)
+    assert stored_events(reader, agent) == 203
     wait_for(lambda: all(committed >= ends[p] for p, committed
                          in offsets(broker.bootstrap)[1].items()), 30,
              what="the stored events' offsets to be committed")
@@ -128,5 +134,8 @@ def test_store_unavailable_processors_wait_and_lose_nothing(
         return reader.query("SELECT count(), sum(llm_calls), countIf(outcome = 'success') "
                             "FROM runs FINAL WHERE agent = {a:String}", {"a": agent}).rows[0]
 
-    wait_for(lambda: run_rows() == [50, 50, 50], 60, what="every run's row")
-    assert run_rows() == [50, 50, 50]
+    wait_for(lambda: run_rows() == [51, 51, 50], 60, what="every run's row")
+    assert run_rows() == [51, 51, 50]
+    assert wait_decided(reader, captured.run_id, parts=2)[:3] == [1, "failure:gave_up", "gave_up"]
+    assert reassemble(reader, captured.run_id) == [("llm.call", "prompt", PROMPT),
+                                                    ("llm.call", "response", "No refund.")]

@@ -157,8 +157,9 @@ class TableRunStore:
 
     Changes are not sent one by one through faust's producer buffer, which drains one
     message per event-loop hop and stalls the stream above 100 waiting messages: they
-    wait here (the last change per run) until :meth:`send_changes` sends them as one
-    record batch per partition, which the processor awaits before a batch is acked.
+    wait here (the last change per run) until the processor takes them with a write
+    and, once the write's rows are stored, :meth:`send_changes` sends them as one
+    record batch per partition; the processor awaits that before a batch is acked.
     The records are those ``Table.send_changelog`` would send (raw key and value), so
     faust's recovery reads them unchanged.
     """
@@ -169,7 +170,6 @@ class TableRunStore:
         self._topic = topic
         self._writes = writes
         self._changes: dict[bytes, tuple[int, bytes | None]] = {}
-        self._sending = asyncio.Lock()
 
     def active_partitions(self) -> set[int]:
         return {tp.partition for tp in self._app.assignor.assigned_actives()
@@ -207,16 +207,14 @@ class TableRunStore:
             if state is not None and state.partition in active:
                 yield state
 
-    async def send_changes(self) -> None:
-        """Send the waiting changes to the changelog and wait until the broker has
-        them (sent again while it does not answer). Changes made meanwhile wait for the
-        next call; calls send one after the other, so a run's records reach the
-        changelog in the order they were made."""
-        changes = self.take_changes()
+    async def send_changes(self, changes: dict[bytes, tuple[int, bytes | None]]) -> None:
+        """Send changes from :meth:`take_changes` to the changelog and wait until the
+        broker has them (sent again while it does not answer). The caller sends them
+        in the order they were taken, so a run's records keep the order they were made
+        in."""
         if changes:
-            async with self._sending:
-                await self._writes.until_accepted(
-                    f"{len(changes)} run state changes", lambda: self._send(changes))
+            await self._writes.until_accepted(
+                f"{len(changes)} run state changes", lambda: self._send(changes))
 
     def take_changes(self) -> dict[bytes, tuple[int, bytes | None]]:
         """The changes waiting to be sent, key -> (partition, value or None for a
@@ -258,6 +256,7 @@ class Processor:
         self._open_runs = open_runs
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sink")
         self._in_flight: deque[asyncio.Future[None]] = deque()
+        self._last_write: asyncio.Future[None] | None = None
         self._adopted_for: frozenset[int] | None = None
         self.positions: dict[int, int] = {}
         self._caught_up = False
@@ -399,12 +398,14 @@ class Processor:
         return writes
 
     async def _queue_write(self, work: Work) -> asyncio.Future[None]:
-        """Start writing ``work`` once fewer than ``WRITES_IN_FLIGHT`` writes are
-        queued (bounding the rows held in memory), and return its future."""
+        """Start writing ``work`` once fewer than ``WRITES_IN_FLIGHT`` inserts are
+        queued (bounding the rows held in memory), and return the write's future. The
+        bound is on inserts, not whole writes: a write's changelog records follow its
+        insert (:meth:`_finish_write`), and waiting for them too kept the fold idle."""
         while len(self._in_flight) >= WRITES_IN_FLIGHT:
             await self._in_flight.popleft()
-        write = self._start_write(work)
-        self._in_flight.append(write)
+        write, inserted = self._start_write(work)
+        self._in_flight.append(inserted)
         return write
 
     def _chunks(self, messages: list[RawMessage]) -> Iterator[list[RawMessage]]:
@@ -431,6 +432,8 @@ class Processor:
                 return
             self._adopt_open_runs()
             await self._write(self.pipeline.sweep())
+        except RetriesStopped:
+            log.warning("stopping with a sweep not stored; it is redone after a restart")
         except Exception:
             log.exception("the sweep failed; trying again in %.1f s",
                           self.settings.sweep_interval_s)
@@ -457,11 +460,13 @@ class Processor:
             log.info("rebuilt %d open runs from the store", adopted)
 
     async def _write(self, work: Work) -> None:
-        await self._start_write(work)
+        write, _ = self._start_write(work)
+        await write
 
-    def _start_write(self, work: Work) -> asyncio.Future[None]:
-        """Hand the rows to the sink thread now, and return the future of the whole
-        write: rows accepted, state changes on the changelog, dead letters published.
+    def _start_write(self, work: Work) -> tuple[asyncio.Future[None], asyncio.Future[None]]:
+        """Hand the rows to the sink thread now, and return the futures of the whole
+        write (rows accepted, state changes on the changelog, dead letters published)
+        and of its insert (the write's, if it has no rows).
 
         The rows are submitted before this returns, not when the event loop next runs
         a task: the caller folds the next chunk synchronously, and a write wrapped in a
@@ -471,14 +476,27 @@ class Processor:
         if len(work.rows):
             rows_accepted = asyncio.get_running_loop().run_in_executor(
                 self._writer, self.sink.write_batch, work.rows)
-        return asyncio.ensure_future(self._finish_write(work, rows_accepted))
+        write = asyncio.ensure_future(self._finish_write(
+            work, rows_accepted, self.store.take_changes(), self._last_write))
+        self._last_write = write
+        return write, rows_accepted or write
 
-    async def _finish_write(self, work: Work,
-                            rows_accepted: asyncio.Future[None] | None) -> None:
-        pending: list[Awaitable[None]] = [self.store.send_changes()]
+    async def _finish_write(self, work: Work, rows_accepted: asyncio.Future[None] | None,
+                            changes: dict[bytes, tuple[int, bytes | None]],
+                            previous: asyncio.Future[None] | None) -> None:
+        """Rows first; then the run state changes made up to the write, after the
+        previous write's; then dead letters.
+
+        The changelog is thus never ahead of ClickHouse. It was, when both were sent
+        at once: a run the sweep abandoned during a store outage had its change on
+        the changelog and its row unstored when the worker stopped, came back closed,
+        and stayed ``running`` in ClickHouse for good. (Event batches were safe: they
+        are unacked, so redelivered, and rewrite their runs' rows.)"""
         if rows_accepted is not None:
-            pending.append(rows_accepted)
-        await asyncio.gather(*pending)
+            await rows_accepted
+        if previous is not None:
+            await previous
+        await self.store.send_changes(changes)
         if work.dead:
             await self.kafka_writes.until_accepted(
                 f"{len(work.dead)} dead letters", partial(self._publish, work.dead))

@@ -7,7 +7,7 @@ import time
 
 from kafka import KafkaConsumer, TopicPartition
 
-from ingest.sdk import Emitter
+from ingest.sdk import Emitter, RunContext
 from loopwatch.config import Settings
 from loopwatch.embedded.broker import EmbeddedBroker
 from loopwatch.upprocess import UpProcess
@@ -92,8 +92,21 @@ def test_store_unavailable_processors_wait_and_lose_nothing(
     Stopped during the outage (SIGTERM), the processor drains for its
     ``drain_timeout_s`` (10 s here), then gives up its retries and exits by itself;
     it used to retry until the supervisor's SIGKILL. What it had not stored is read
-    again by the next processor, the captured bodies of a run too."""
+    again by the next processor, the captured bodies of a run too.
+
+    A run left open before the outage passes its abandonment TTL (6 s) during it. The
+    sweep used to abandon it then: the state change reached the changelog while the
+    row did not reach ClickHouse, so the restarted processor recovered the run closed
+    and its row said ``running`` for good. The change now waits for the row, so the
+    run is abandoned, and stored so, after the restart."""
     marker = pipeline.data_dir / "store-down"
+    stranded = RunContext(emitter, f"stranded-{agent}", {"agent": agent, "model": "gpt-4o"})
+    stranded.start()
+    stranded.step()
+    assert emitter.flush(30)
+    wait_stored(reader, agent, 2, timeout_s=60)
+    wait_for(lambda: offsets(broker.bootstrap)[1] == offsets(broker.bootstrap)[0], 30,
+             what="the open run's offsets to be committed")
     before_outage, _ = offsets(broker.bootstrap)
     marker.touch()
     try:
@@ -114,7 +127,7 @@ def test_store_unavailable_processors_wait_and_lose_nothing(
         assert ends != before_outage, "the events must have reached the broker"
         assert all(committed[p] <= before_outage[p] for p in committed), (
             f"offsets committed past unstored events: {committed} > {before_outage}")
-        assert stored_events(reader, agent) == 0
+        assert stored_events(reader, agent) == 2
         assert pipeline.stop(timeout_s=80) == 0, "stopped by SIGKILL: its retries held it"
         assert "not drained in 10 s" in (pipeline.data_dir / "logs" / "worker.log").read_text()
         _, committed = offsets(broker.bootstrap)
@@ -123,8 +136,8 @@ def test_store_unavailable_processors_wait_and_lose_nothing(
     finally:
         marker.unlink()
     pipeline.start()
-    wait_stored(reader, agent, 203, timeout_s=120)
-    assert stored_events(reader, agent) == 203
+    wait_stored(reader, agent, 205, timeout_s=120)
+    assert stored_events(reader, agent) == 205
     wait_for(lambda: all(committed >= ends[p] for p, committed
                          in offsets(broker.bootstrap)[1].items()), 30,
              what="the stored events' offsets to be committed")
@@ -134,8 +147,11 @@ def test_store_unavailable_processors_wait_and_lose_nothing(
         return reader.query("SELECT count(), sum(llm_calls), countIf(outcome = 'success') "
                             "FROM runs FINAL WHERE agent = {a:String}", {"a": agent}).rows[0]
 
-    wait_for(lambda: run_rows() == [51, 51, 50], 60, what="every run's row")
-    assert run_rows() == [51, 51, 50]
+    wait_for(lambda: run_rows() == [52, 51, 50], 60, what="every run's row")
+    assert run_rows() == [52, 51, 50]
+    wait_for(lambda: scalar(reader, "SELECT outcome FROM runs FINAL WHERE run_id = {r:String}",
+                            r=stranded.run_id) == "abandoned", 60,
+             what="the run abandoned during the outage to be stored so")
     assert wait_decided(reader, captured.run_id, parts=2)[:3] == [1, "failure:gave_up", "gave_up"]
     assert reassemble(reader, captured.run_id) == [("llm.call", "prompt", PROMPT),
                                                     ("llm.call", "response", "No refund.")]

@@ -1,11 +1,12 @@
 """Where derived rows go. A sink has one job: make a batch durable, or say it could not.
 
 Commit order (the delivery guarantee of the whole pipeline): a batch's rows are written
-through :meth:`Sink.write_batch`; only when it returned, and the broker accepted the
-batch's state changelog records, are the batch's Kafka messages acknowledged, and faust
-commits acknowledged offsets later. A crash anywhere before that re-delivers the batch;
-every table is keyed so that re-writing a row is harmless (ReplacingMergeTree on
-``event_id``, or on ``run_id`` with a version), so re-processing never double counts.
+through :meth:`Sink.write_batch`; only when it returned are the batch's state changelog
+records sent, and only when the broker accepted them are the batch's Kafka messages
+acknowledged, and faust commits acknowledged offsets later. A crash anywhere before
+that re-delivers the batch; every table is keyed so that re-writing a row is harmless
+(ReplacingMergeTree on ``event_id``, or on ``run_id`` with a version), so
+re-processing never double counts.
 """
 
 from __future__ import annotations

@@ -54,6 +54,8 @@ DEFERRED_MAX_ROWS = 40_000
 #: writes queued for the sink thread at a time (a chunk's rows, or a batch's last
 #: write); more waiting writes hold more rows in memory and gained nothing measurable
 WRITES_IN_FLIGHT = 2
+#: how often :meth:`Processor.caught_up` is brought up to date
+CAUGHT_UP_INTERVAL_S = 1.0
 
 
 #: the producer's record batches (the state changelog's, ~1 record per run per batch,
@@ -304,6 +306,7 @@ class Processor:
         self.app.on_partitions_assigned.connect(reindex_on_assignment)
         self.app.agent(self.events_topic, name="assemble-runs")(self._assemble)
         self.app.timer(settings.sweep_interval_s, name="sweep-runs")(self._sweep)
+        self.app.timer(CAUGHT_UP_INTERVAL_S, name="caught-up")(self._refresh_caught_up)
         self.capture_stage = register_captures(self)
 
     async def _assemble(self, stream: Any) -> None:
@@ -427,7 +430,6 @@ class Processor:
         fails here (e.g. reading open runs from an unreachable ClickHouse server) is
         logged and tried again on the next tick."""
         try:
-            self._caught_up = self._compute_caught_up()
             if not self._ready():
                 return
             self._adopt_open_runs()
@@ -437,6 +439,14 @@ class Processor:
         except Exception:
             log.exception("the sweep failed; trying again in %.1f s",
                           self.settings.sweep_interval_s)
+
+    async def _refresh_caught_up(self) -> None:
+        """The timer behind :meth:`caught_up`, apart from the sweep, whose pass waits
+        for the store (in an outage, until it is back)."""
+        try:
+            self._caught_up = self._compute_caught_up()
+        except Exception:  # a timer's exception would crash the app
+            log.exception("could not tell whether the processor is caught up")
 
     def _ready(self) -> bool:
         recovery = self.app.tables.recovery  # type: ignore[attr-defined]
@@ -523,8 +533,9 @@ class Processor:
     def caught_up(self) -> bool:
         """True when this worker owns partitions and has processed each up to its end.
 
-        Safe from any thread: it reads a flag the event loop refreshes every second
-        (touching faust's consumer from another thread would create it on the wrong loop).
+        Safe from any thread: it reads a flag the event loop refreshes every
+        ``CAUGHT_UP_INTERVAL_S`` (touching faust's consumer from another thread would
+        create it on the wrong loop).
         """
         return self._caught_up
 

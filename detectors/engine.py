@@ -109,8 +109,7 @@ class DetectorEngine:
         if not latest or not latest[0][1]:
             return None
         value = latest[0][0]
-        return read_time(value if isinstance(value, datetime)
-                         else datetime.fromisoformat(str(value)))
+        return read_time(value)
 
     def evaluate(self, event_now: datetime | None = None,
                  wall_now: datetime | None = None) -> list[Transition]:

@@ -68,9 +68,7 @@ def run_live(scenario: Scenario, data_dir: Path, *, speed: float = 60.0, seed: i
     mine = [row for row in fired if row["agent"] in (scenario.agent, "")]
     first: dict[str, float] = {}
     for row in mine:
-        when = row["first_fired"]
-        moment_fired = read_time(when if isinstance(when, datetime)
-                                 else datetime.fromisoformat(str(when)))
+        moment_fired = read_time(row["first_fired"])
         first.setdefault(row["rule"], (moment_fired - inject_at).total_seconds())
     caught = [rule for rule in scenario.expected if rule in first]
     return {

@@ -47,19 +47,23 @@ def clickhouse_time(value: datetime) -> str:
 
 
 @overload
-def read_time(value: datetime) -> datetime: ...
+def read_time(value: datetime | str) -> datetime: ...
 @overload
 def read_time(value: None) -> None: ...
-def read_time(value: datetime | None) -> datetime | None:
-    """A time as a query returns it (UTC, but without a zone) made aware, so it compares
-    with ``datetime.now(UTC)``; the inverse of :func:`clickhouse_time`.
+def read_time(value: datetime | str | None) -> datetime | None:
+    """A time as a query returns it (UTC, but without a zone: a ``datetime`` from a
+    client, ISO text through the store service) made aware, so it compares with
+    ``datetime.now(UTC)``; the inverse of :func:`clickhouse_time`.
 
     >>> read_time(datetime(2026, 1, 1)).isoformat(), read_time(None)
     ('2026-01-01T00:00:00+00:00', None)
+    >>> read_time("2026-01-01 00:00:00.250").isoformat()
+    '2026-01-01T00:00:00.250000+00:00'
     """
-    if value is None or value.tzinfo is not None:
-        return value
-    return value.replace(tzinfo=UTC)
+    if value is None:
+        return None
+    moment = value if isinstance(value, datetime) else datetime.fromisoformat(str(value))
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 def connect(settings: Settings, database: str | None = None) -> Client:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import threading
 import time
 
@@ -105,7 +106,7 @@ def test_store_unavailable_processors_wait_and_lose_nothing(
     stranded.step()
     assert emitter.flush(30)
     wait_stored(reader, agent, 2, timeout_s=60)
-    wait_for(lambda: offsets(broker.bootstrap)[1] == offsets(broker.bootstrap)[0], 30,
+    wait_for(lambda: operator.eq(*offsets(broker.bootstrap)), 30,
              what="the open run's offsets to be committed")
     before_outage, _ = offsets(broker.bootstrap)
     marker.touch()

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import queue
 import threading
 import time
 import uuid
@@ -62,6 +61,7 @@ from ingest.events import (
     ToolCall,
     canonical_args_hash,
 )
+from ingest.handoff import Handoff
 from ingest.redact import Redactor
 from ingest.spool import DiskSpool
 from ingest.wire import ENVELOPE_VERSION, exact_json
@@ -71,6 +71,9 @@ ENVELOPE_OVERHEAD_BYTES = 64
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+#: an encoded event on its way to the sender, with its partition key (its ``run_id``;
+#: None for a line that is not JSON, which travels alone: see :func:`partition_key`)
+Queued = tuple[str | None, bytes]
 
 CONTEXT_FIELDS = ("agent", "agent_version", "task_type", "model", "prompt_version",
                   "deployment", "traffic_slice", "worker_id")
@@ -214,7 +217,7 @@ class Emitter:
             "request_timeout_ms": 10_000,
             **(producer_config or {}),
         }
-        self._queue: queue.Queue[bytes | Outgoing | None] = queue.Queue()
+        self._queue: Handoff[Queued | Outgoing] = Handoff()
         self._producer: KafkaProducer | None = None
         self._partitions: int | None = None
         self._topic_partitions: dict[str, tuple[int | None, float]] = {}
@@ -235,11 +238,12 @@ class Emitter:
             raise RuntimeError("emitter is closed")
         if not event.model_extra and all(
                 getattr(event, name) is None for name in free_text_fields(type(event))):
-            self._enqueue([event.__pydantic_serializer__.to_json(event, exclude_none=True)])
+            self._enqueue([(event.run_id, event.__pydantic_serializer__.to_json(
+                event, exclude_none=True))])
             return
         data = event.model_dump(mode="json", exclude_none=True)
         self._redact_fields(event, data)
-        self._enqueue([exact_json(data)])
+        self._enqueue([(event.run_id, exact_json(data))])
 
     def _redact_fields(self, event: EventBase, data: dict[str, Any]) -> None:
         """Redact the strings of an event's extras and free-text fields in place."""
@@ -287,6 +291,7 @@ class Emitter:
         Each line must be a JSON object with a string ``run_id`` (the partition key);
         anything else is refused here, at the call, rather than in the sender thread.
         """
+        items: list[Queued] = []
         for line in lines:
             try:
                 run_id = orjson.loads(line).get("run_id", "")
@@ -294,7 +299,8 @@ class Emitter:
                 raise ValueError("emit_raw takes JSON objects, one per line") from None
             if not isinstance(run_id, str):
                 raise ValueError(f"run_id must be a string, not {type(run_id).__name__}")
-        self._enqueue(lines)
+            items.append((run_id, line))
+        self._enqueue(items)
 
     def send_and_wait(self, events: Sequence[EventBase | bytes], timeout_s: float = 10.0,
                       captures: Sequence[CaptureMessage] = ()) -> None:
@@ -351,20 +357,20 @@ class Emitter:
             self.stats.messages += 1
             self.stats.captures_sent += int(count == 0)
 
-    def _enqueue(self, lines: list[bytes]) -> None:
+    def _enqueue(self, items: list[Queued]) -> None:
         """Refuse an event that could never be sent (over a message), then queue all."""
         limit = self._max_message_bytes - ENVELOPE_OVERHEAD_BYTES
-        for line in lines:
+        for _, line in items:
             if len(line) > limit:
                 raise ValueError(f"event of {len(line)} bytes is over the {limit}-byte limit "
                                  "of one message; capture large bodies with prompt=/"
                                  "response=/args=/output= instead")
         with self._outstanding_lock:
-            self._outstanding += len(lines)
-        self.stats.queued += len(lines)
-        for line in lines:
-            self.stats.event_bytes += len(line)
-            self._queue.put(line)
+            self._outstanding += len(items)
+        self.stats.queued += len(items)
+        for item in items:
+            self.stats.event_bytes += len(item[1])
+            self._queue.put(item)
 
     @contextmanager
     def run(self, run_id: str | None = None, **fields: Any) -> Iterator[RunContext]:
@@ -428,7 +434,7 @@ class Emitter:
             self.spool.dropped += len(lines) - len(sendable)
             log.error("%d spooled events over the %d-byte message limit dropped",
                       len(lines) - len(sendable), limit)
-        self._enqueue(sendable)
+        self._enqueue([(partition_key(line), line) for line in sendable])
 
     def close(self, timeout_s: float = 30.0) -> None:
         if self._closed:
@@ -436,7 +442,7 @@ class Emitter:
         self._late_calls.shutdown(wait=True, cancel_futures=False)
         self.flush(timeout_s)
         self._closed = True
-        self._queue.put(None)
+        self._queue.wake()
         self._thread.join(timeout_s)
         if self._producer is not None:
             self._producer.close(timeout=5)
@@ -473,14 +479,18 @@ class Emitter:
 
     def _run(self) -> None:
         while True:
-            first = self._next(timeout=0.5)
+            first = self._queue.get(timeout=0.5)
             if first is None and self._closed:
                 return
             batch = [] if first is None else [first]
             deadline = time.monotonic() + self._linger_s
             limit = self._max_batch * (self._partitions or 1)
             while len(batch) < limit:
-                item = self._next(timeout=max(0.0, deadline - time.monotonic()))
+                waiting = self._queue.take(limit - len(batch))
+                if waiting:
+                    batch.extend(waiting)
+                    continue
+                item = self._queue.get(timeout=deadline - time.monotonic())
                 if item is None:
                     break
                 batch.append(item)
@@ -493,20 +503,14 @@ class Emitter:
                 self.stats.send_errors += 1
                 self._spool_unsent(batch)
 
-    def _spool_unsent(self, batch: list[bytes | Outgoing]) -> None:
+    def _spool_unsent(self, batch: list[Queued | Outgoing]) -> None:
         """After an unexpected failure, spool the whole batch: some of it may have been
         sent, and a resend is harmless (``event_id`` deduplicates)."""
         try:
-            self._to_spool([item for item in batch if isinstance(item, bytes)])
+            self._to_spool([item[1] for item in batch if not isinstance(item, Outgoing)])
             self._spool_outgoing([item for item in batch if isinstance(item, Outgoing)])
         except Exception:
             log.exception("could not spool %d items after a sender failure", len(batch))
-
-    def _next(self, timeout: float) -> bytes | Outgoing | None:
-        try:
-            return self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
-        except queue.Empty:
-            return None
 
     def _maybe_resend(self) -> None:
         now = time.monotonic()
@@ -516,20 +520,19 @@ class Emitter:
         if self._connect():
             self.resend_spooled()
 
-    def _send(self, batch: list[bytes | Outgoing]) -> None:
-        lines = [item for item in batch if isinstance(item, bytes)]
+    def _send(self, batch: list[Queued | Outgoing]) -> None:
+        events = [item for item in batch if not isinstance(item, Outgoing)]
         outgoing = [item for item in batch if isinstance(item, Outgoing)]
         if outgoing:
             self._send_outgoing(outgoing)
-        if not lines:
+        if not events:
             return
         if not self._connect():
-            self._to_spool(lines)
+            self._to_spool([line for _, line in events])
             return
         assert self._producer is not None and self._partitions is not None
         groups: dict[int, list[bytes]] = defaultdict(list)
-        for line in lines:
-            key = partition_key(line)
+        for key, line in events:
             if key is None:  # not JSON (a spool line torn by a crash): a message alone
                 self._send_message(partition_for("", self._partitions), [line])
             else:

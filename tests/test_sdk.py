@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from ingest.capture import assemble_part, blob_hash, part_hash
 from ingest.events import Step
+from ingest.handoff import Handoff
 from ingest.sdk import Emitter, ToolTimeout, partition_for
 from ingest.wire import decode_message
 from loopwatch.embedded.broker import EmbeddedBroker, free_port
@@ -33,6 +34,51 @@ def read_all(bootstrap: str, topic: str) -> list[tuple[int, dict]]:
     return [(message.partition, orjson.loads(event.model_dump_json()))
             for message in read_to_end(bootstrap, topic)
             for event in decode_message(message.value, 10_000_000).events]
+
+
+def test_the_handoff_passes_every_item_once_in_each_putters_order():
+    """Four threads put while the sender's loop takes, as the emitter's does."""
+    handoff: Handoff[tuple[int, int]] = Handoff()
+    per_thread = 20_000
+
+    def put_all(thread: int) -> None:
+        for n in range(per_thread):
+            handoff.put((thread, n))
+
+    putters = [threading.Thread(target=put_all, args=(t,)) for t in range(4)]
+    for putter in putters:
+        putter.start()
+    got: list[tuple[int, int]] = []
+    while len(got) < 4 * per_thread:
+        first = handoff.get(timeout=10)
+        assert first is not None, f"nothing arrived for 10 s after {len(got)} items"
+        got.append(first)
+        got.extend(handoff.take(500))
+    for putter in putters:
+        putter.join()
+    assert len(handoff) == 0
+    for thread in range(4):
+        assert [n for t, n in got if t == thread] == list(range(per_thread))
+
+
+def test_a_waiting_get_returns_the_item_put_while_it_waits():
+    handoff: Handoff[str] = Handoff()
+    waiting = threading.Event()
+    got: list[str | None] = []
+
+    def get() -> None:
+        waiting.set()
+        got.append(handoff.get(timeout=120))
+
+    getter = threading.Thread(target=get, daemon=True)
+    getter.start()
+    waiting.wait(5)
+    time.sleep(0.1)  # let it reach the wait; had it not, the item is there on its look
+    handoff.put("event")
+    getter.join(20)
+    assert not getter.is_alive(), "the put did not wake the waiting get"
+    assert got == ["event"]
+    assert handoff.get(timeout=0) is None
 
 
 def test_events_of_a_run_stay_ordered_on_the_run_partition(broker, tmp_path: Path):

@@ -133,16 +133,69 @@ def _proc_status(pid: int, field: str) -> int | None:
     return None
 
 
+def _stat(path: str) -> tuple[str, float]:
+    """(name, CPU seconds user + system) from a /proc ``stat`` file."""
+    text = Path(path).read_text()
+    name, rest = text[text.index("(") + 1:].rsplit(")", 1)
+    fields = rest.split()
+    return name, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pid: int) -> tuple[float, float]:
     """(main thread, whole process) CPU seconds, user + system, that ``pid`` used so far;
     (0, 0) once it is gone."""
-    def used(stat: str) -> float:
-        fields = Path(stat).read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     try:
-        return used(f"/proc/{pid}/task/{pid}/stat"), used(f"/proc/{pid}/stat")
+        return _stat(f"/proc/{pid}/task/{pid}/stat")[1], _stat(f"/proc/{pid}/stat")[1]
     except OSError:
         return 0.0, 0.0
+
+
+def thread_kind(tid: int, name: str, pid: int, main_name: str) -> str:
+    """What a thread of ``pid`` is, for :func:`threads_note`: ClickHouse names its
+    threads (``ThreadPool`` inserts, ``MergeMutate`` merges...); Python's own threads
+    (the sink's, faust's consumer, the detectors...) keep the process's name.
+
+    >>> [thread_kind(tid, name, 7, "python") for tid, name in
+    ...  [(7, "python"), (8, "python"), (9, "MergeMutate12")]]
+    ['main thread', 'other Python threads', 'MergeMutate']
+    """
+    if tid == pid:
+        return "main thread"
+    if name == main_name:
+        return "other Python threads"
+    return name.rstrip("0123456789") or name
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds so far per :func:`thread_kind` of the threads ``pid`` has now."""
+    used: dict[str, float] = {}
+    try:
+        main_name = _stat(f"/proc/{pid}/task/{pid}/stat")[0]
+        tids = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return used
+    for tid in tids:
+        try:
+            name, seconds = _stat(f"/proc/{pid}/task/{tid}/stat")
+        except OSError:
+            continue
+        kind = thread_kind(tid, name, pid, main_name)
+        used[kind] = used.get(kind, 0.0) + seconds
+    return used
+
+
+def threads_note(before: dict[str, float], after: dict[str, float], events: int) -> str:
+    """CPU per event of each kind of thread between two :func:`thread_cpu` (threads that
+    ended in between are left out), most first.
+
+    >>> threads_note({"main thread": 1.0}, {"main thread": 6.0, "ThreadPool": 4.0}, 500_000)
+    'CPU per event by thread: main thread 10.0 µs, ThreadPool 8.0 µs'
+    """
+    per_event = 1e6 / max(events, 1)
+    used = {kind: (seconds - before.get(kind, 0.0)) * per_event
+            for kind, seconds in after.items()}
+    shown = sorted(((us, kind) for kind, us in used.items() if us >= 0.05), reverse=True)
+    return "CPU per event by thread: " + ", ".join(f"{kind} {us:.1f} µs" for us, kind in shown)
 
 
 def machine() -> dict[str, Any]:
@@ -552,10 +605,12 @@ def run_bench(events: int, workers: int, query_events: int,
             with UpProcess(data_one, {**env, **THROUGHPUT_ENV}) as up:
                 pid = _pid(up)
                 up_before, broker_before = cpu_seconds(pid), cpu_seconds(broker.pid or 0)[1]
+                threads_before = thread_cpu(pid)
                 measured = measure_processing(up, baseline, baseline + sent, progress)
                 up_after, broker_after = cpu_seconds(pid), cpu_seconds(broker.pid or 0)[1]
                 note(cpu_note((up_after[0] - up_before[0], up_after[1] - up_before[1]),
                               broker_after - broker_before, sent, measured["seconds"]))
+                note(threads_note(threads_before, thread_cpu(pid), sent))
                 used = up_after[1] - up_before[1] + broker_after - broker_before
                 note(ceiling_note(used * 1e6 / max(sent, 1),
                                   result["raw_consume_events_per_s"], os.cpu_count() or 1))

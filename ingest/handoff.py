@@ -39,7 +39,8 @@ class Handoff(Generic[T]):
             self._wake.set()
 
     def wake(self) -> None:
-        """End a wait in :meth:`get` now (it returns None if nothing arrived)."""
+        """End a wait in :meth:`get` now, or the next one if none is waiting (it
+        returns None if nothing arrived)."""
         self._wake.set()
 
     def get(self, timeout: float) -> T | None:
@@ -49,13 +50,13 @@ class Handoff(Generic[T]):
         except IndexError:
             if timeout <= 0:
                 return None
-        self._wake.clear()
         self._sleeping = True
         try:
             if not self._items:
                 self._wake.wait(timeout)
         finally:
             self._sleeping = False
+            self._wake.clear()
         try:
             return self._items.popleft()
         except IndexError:

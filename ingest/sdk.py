@@ -532,14 +532,17 @@ class Emitter:
             return
         assert self._producer is not None and self._partitions is not None
         groups: dict[int, list[bytes]] = defaultdict(list)
+        keys: dict[int, str] = {}
         for key, line in events:
             if key is None:  # not JSON (a spool line torn by a crash): a message alone
-                self._send_message(partition_for("", self._partitions), [line])
+                self._send_message(partition_for("", self._partitions), [line], "")
             else:
-                groups[partition_for(key, self._partitions)].append(line)
+                partition = partition_for(key, self._partitions)
+                groups[partition].append(line)
+                keys.setdefault(partition, key)
         for partition, group in groups.items():
             for chunk in self._chunks(group):
-                self._send_message(partition, chunk)
+                self._send_message(partition, chunk, keys[partition])
 
     def _chunks(self, group: list[bytes]) -> Iterator[list[bytes]]:
         """One partition's events as envelopes of at most ``max_batch`` events and
@@ -556,16 +559,16 @@ class Emitter:
         if chunk:
             yield chunk
 
-    def _send_message(self, partition: int, chunk: list[bytes]) -> None:
+    def _send_message(self, partition: int, chunk: list[bytes], key: str) -> None:
         assert self._producer is not None
         if len(chunk) == 1:
             value = chunk[0]
         else:
             value = (b'{"envelope_version":' + str(ENVELOPE_VERSION).encode()
                      + b',"events":[' + b",".join(chunk) + b"]}")
-        key = run_id_of(chunk[0]).encode()
         try:
-            future = self._producer.send(self.topic, value=value, key=key, partition=partition)
+            future = self._producer.send(self.topic, value=value, key=key.encode(),
+                                         partition=partition)
         except KafkaError as exc:
             self.stats.send_errors += 1
             log.warning("send failed (%s); spooling %d events", exc, len(chunk))

@@ -187,11 +187,11 @@ def test_an_unexpected_failure_in_the_sender_spools_its_batch_and_sending_goes_o
         send_message = emitter._send_message
         failures: list[int] = []
 
-        def fail_once(partition: int, chunk: list[bytes]) -> None:
+        def fail_once(partition: int, chunk: list[bytes], key: str) -> None:
             if not failures:
                 failures.append(len(chunk))
                 raise RuntimeError("injected: a failure nobody foresaw")
-            send_message(partition, chunk)
+            send_message(partition, chunk, key)
 
         monkeypatch.setattr(emitter, "_send_message", fail_once)
         for step in (1, 2, 3):

@@ -59,7 +59,9 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -150,52 +152,84 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
         return 0.0, 0.0
 
 
+#: what a thread is, by the name ClickHouse leaves on it: chdb runs a query on the
+#: calling thread, and an insert that feeds a materialized view (``events_in``'s) renames
+#: it ``Unknown``; in ``loopwatch up`` only the sink thread inserts through that view
+RENAMED_BY_CHDB = {"Unknown": "sink thread"}
+
+
 def thread_kind(tid: int, name: str, pid: int, main_name: str) -> str:
     """What a thread of ``pid`` is, for :func:`threads_note`: ClickHouse names its
-    threads (``ThreadPool`` inserts, ``MergeMutate`` merges...); Python's own threads
-    (the sink's, faust's consumer, the detectors...) keep the process's name.
+    threads (``ThreadPool`` inserts, ``MergeMutate`` merges...) and renames the sink
+    thread (:data:`RENAMED_BY_CHDB`); Python's other threads (faust's consumer thread,
+    the detectors, the store service...) keep the process's name.
 
     >>> [thread_kind(tid, name, 7, "python") for tid, name in
-    ...  [(7, "python"), (8, "python"), (9, "MergeMutate12")]]
-    ['main thread', 'other Python threads', 'MergeMutate']
+    ...  [(7, "python"), (8, "python"), (9, "MergeMutate12"), (10, "Unknown")]]
+    ['main thread', 'other Python threads', 'MergeMutate', 'sink thread']
     """
     if tid == pid:
         return "main thread"
     if name == main_name:
         return "other Python threads"
+    if name in RENAMED_BY_CHDB:
+        return RENAMED_BY_CHDB[name]
     return name.rstrip("0123456789") or name
 
 
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds so far per :func:`thread_kind` of the threads ``pid`` has now."""
-    used: dict[str, float] = {}
+def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """Each thread ``pid`` has now: its id -> (its name, CPU seconds so far)."""
+    used: dict[int, tuple[str, float]] = {}
     try:
-        main_name = _stat(f"/proc/{pid}/task/{pid}/stat")[0]
         tids = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
     except OSError:
         return used
     for tid in tids:
         try:
-            name, seconds = _stat(f"/proc/{pid}/task/{tid}/stat")
+            used[tid] = _stat(f"/proc/{pid}/task/{tid}/stat")
         except OSError:
             continue
-        kind = thread_kind(tid, name, pid, main_name)
-        used[kind] = used.get(kind, 0.0) + seconds
     return used
 
 
-def threads_note(before: dict[str, float], after: dict[str, float], events: int) -> str:
-    """CPU per event of each kind of thread between two :func:`thread_cpu` (threads that
-    ended in between are left out), most first.
+def threads_note(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
+                 pid: int, events: int) -> str:
+    """CPU per event of each kind of thread between two :func:`thread_cpu` of ``pid``,
+    most first. Each thread counts what it used in between under the name it has at the
+    end (chdb renames threads); threads that ended in between are left out.
 
-    >>> threads_note({"main thread": 1.0}, {"main thread": 6.0, "ThreadPool": 4.0}, 500_000)
-    'CPU per event by thread: main thread 10.0 µs, ThreadPool 8.0 µs'
+    >>> threads_note({7: ("python", 1.0), 9: ("python", 2.0)},
+    ...              {7: ("python", 6.0), 9: ("Unknown", 3.0), 11: ("ThreadPool", 4.0)},
+    ...              7, 500_000)
+    'CPU per event by thread: main thread 10.0 µs, ThreadPool 8.0 µs, sink thread 2.0 µs'
     """
+    main_name = after.get(pid, before.get(pid, ("", 0.0)))[0]
     per_event = 1e6 / max(events, 1)
-    used = {kind: (seconds - before.get(kind, 0.0)) * per_event
-            for kind, seconds in after.items()}
+    used: dict[str, float] = {}
+    for tid, (name, seconds) in after.items():
+        kind = thread_kind(tid, name, pid, main_name)
+        spent = (seconds - before.get(tid, (name, 0.0))[1]) * per_event
+        used[kind] = used.get(kind, 0.0) + spent
     shown = sorted(((us, kind) for kind, us in used.items() if us >= 0.05), reverse=True)
     return "CPU per event by thread: " + ", ".join(f"{kind} {us:.1f} µs" for us, kind in shown)
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """The CPU counters :func:`measure_processing` takes at every poll, so that a
+    window's figures cover the window alone: ``loopwatch up`` starts its detectors,
+    its store and its consumer before the first event, and counting from its start
+    put seconds of start-up CPU into the per-event figures."""
+
+    machine: tuple[int, int]
+    up: tuple[float, float]
+    threads: dict[int, tuple[str, float]]
+    broker: float
+
+    @classmethod
+    def take(cls, up_pid: int, broker_pid: int) -> CpuSample:
+        return cls(machine_ticks(), cpu_seconds(up_pid), thread_cpu(up_pid),
+                   cpu_seconds(broker_pid)[1] if broker_pid else 0.0)
 
 
 def machine() -> dict[str, Any]:
@@ -238,21 +272,22 @@ def busy_cores(before: tuple[int, int], after: tuple[int, int]) -> float:
     return busy / max(total, 1) * (os.cpu_count() or 1)
 
 
-def cpu_note(up_used: tuple[float, float], broker_used: float, events: int,
-             seconds: float) -> str:
+def cpu_note(opened: CpuSample, closed: CpuSample, events: int, seconds: float) -> str:
     """Where a measured window's CPU went, per event: what bounds the throughput on a
     machine whose two cores the processor, its in-process chdb and the broker share.
 
-    >>> cpu_note((5.0, 12.0), 0.5, 500_000, 10.0)[:62]
+    >>> cpu_note(CpuSample((0, 0), (1.0, 3.0), {}, 0.5),
+    ...          CpuSample((0, 0), (6.0, 15.0), {}, 1.0), 500_000, 10.0)[:62]
     'CPU per event: up main thread 10.0 µs (busy 50% of the window)'
     """
-    main, process = up_used
+    main = closed.up[0] - opened.up[0]
+    process = closed.up[1] - opened.up[1]
     per_event = 1e6 / max(events, 1)
     return (f"CPU per event: up main thread {main * per_event:.1f} µs (busy "
             f"{main / max(seconds, 1e-9):.0%} of the window), up's other threads "
-            f"{(process - main) * per_event:.1f} µs (chdb's inserts and merges, the sink "
-            f"thread), broker {broker_used * per_event:.1f} µs; counted from when the child "
-            "was up, so its consumer-group join adds a little")
+            f"{(process - main) * per_event:.1f} µs (the sink thread's inserts, chdb's "
+            f"threads, faust's consumer thread), broker "
+            f"{(closed.broker - opened.broker) * per_event:.1f} µs")
 
 
 def ceiling_note(cpu_us_per_event: float, raw_rate: float, cores: int) -> str:
@@ -341,19 +376,21 @@ def _stored(up: UpProcess, exact: bool) -> int:
 
 
 def measure_processing(up: UpProcess, already: int, target: int, progress: Progress,
-                       timeout_s: float = 1800) -> dict[str, float]:
+                       sample: Callable[[], CpuSample], timeout_s: float = 1800
+                       ) -> dict[str, Any]:
     """Poll until ``target`` distinct events are stored (``already`` were there before).
 
     The window opens at the last poll that saw nothing consumed and nothing new stored
     (so start-up and the group join stay out, give or take one poll interval) and
     closes at the poll that sees the target; also returns the longest stretch without
-    progress inside it, and how many cores the machine had busy in it (near all of them:
-    the window was CPU-bound).
+    progress inside it, how many cores the machine had busy in it (near all of them:
+    the window was CPU-bound), and the CPU samples (``sample``, taken at every poll) at
+    its opening and its close.
     """
     deadline = time.monotonic() + timeout_s
     opened: float | None = None
     before = time.monotonic()
-    ticks_before = ticks_opened = machine_ticks()
+    sample_before = sample_opened = sample()
     last_change, longest_stall, previous = before, 0.0, already
     stored, slowest_poll = already, 0.0
     while True:
@@ -367,8 +404,8 @@ def measure_processing(up: UpProcess, already: int, target: int, progress: Progr
         if opened is None:
             if stored > already or up.health()["counters"]["messages"] > 0:
                 opened = last_change = before
-                ticks_opened = ticks_before
-            before, ticks_before = now, machine_ticks()
+                sample_opened = sample_before
+            before, sample_before = now, sample()
         if opened is not None and stored != previous:
             longest_stall = max(longest_stall, now - last_change)
             last_change, previous = now, stored
@@ -378,9 +415,11 @@ def measure_processing(up: UpProcess, already: int, target: int, progress: Progr
         time.sleep(POLL_S)
     assert opened is not None
     elapsed = now - opened
+    closed = sample()
     return {"rate": (stored - already) / elapsed, "seconds": elapsed,
             "longest_stall_s": longest_stall, "slowest_poll_s": slowest_poll,
-            "busy_cores": busy_cores(ticks_opened, machine_ticks())}
+            "busy_cores": busy_cores(sample_opened.machine, closed.machine),
+            "opened": sample_opened, "closed": closed}
 
 
 def window_note(label: str, measured: dict[str, float], detail: str) -> str:
@@ -604,14 +643,12 @@ def run_bench(events: int, workers: int, query_events: int,
             progress("starting loopwatch up (1 worker)")
             with UpProcess(data_one, {**env, **THROUGHPUT_ENV}) as up:
                 pid = _pid(up)
-                up_before, broker_before = cpu_seconds(pid), cpu_seconds(broker.pid or 0)[1]
-                threads_before = thread_cpu(pid)
-                measured = measure_processing(up, baseline, baseline + sent, progress)
-                up_after, broker_after = cpu_seconds(pid), cpu_seconds(broker.pid or 0)[1]
-                note(cpu_note((up_after[0] - up_before[0], up_after[1] - up_before[1]),
-                              broker_after - broker_before, sent, measured["seconds"]))
-                note(threads_note(threads_before, thread_cpu(pid), sent))
-                used = up_after[1] - up_before[1] + broker_after - broker_before
+                measured = measure_processing(up, baseline, baseline + sent, progress,
+                                              partial(CpuSample.take, pid, broker.pid or 0))
+                opened, closed = measured["opened"], measured["closed"]
+                note(cpu_note(opened, closed, sent, measured["seconds"]))
+                note(threads_note(opened.threads, closed.threads, pid, sent))
+                used = closed.up[1] - opened.up[1] + closed.broker - opened.broker
                 note(ceiling_note(used * 1e6 / max(sent, 1),
                                   result["raw_consume_events_per_s"], os.cpu_count() or 1))
                 note(window_note("1 worker", measured, f"up pid {pid}"))
@@ -639,7 +676,9 @@ def run_bench(events: int, workers: int, query_events: int,
                 with UpProcess(data_two, env_two) as up:
                     extra = _worker(env_two, data_two)
                     try:
-                        measured = measure_processing(up, 0, sent, progress)
+                        measured = measure_processing(
+                            up, 0, sent, progress,
+                            partial(CpuSample.take, _pid(up), broker.pid or 0))
                     finally:
                         terminate(extra, 60)
                 result["workers"]["2"] = measured["rate"]

@@ -9,15 +9,17 @@ has no fraction as ``0`` where orjson writes ``0.0``).
 
 from __future__ import annotations
 
+import threading
 import uuid
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 from clickhouse_connect.driver.exceptions import DatabaseError
 
-from bench.pipeline import generate_events
+from bench.pipeline import RENAMED_BY_CHDB, generate_events
 from ingest.events import EventBase, LlmCall, RunStart, Step, ToolCall
 from ingest.wire import _decode_slow, decode_message, encode_envelope
 from loopwatch.config import Settings
@@ -134,3 +136,31 @@ def test_a_row_the_view_cannot_split_fails_the_whole_insert(local_store):
     with pytest.raises(DatabaseError, match="UUID"):
         ClickHouseSink(client).write_batch(RowBatch({EVENTS_IN_TABLE: rows}))
     assert _stored(client, [run_id]) == []
+
+
+def test_an_insert_through_the_view_leaves_its_thread_named_as_the_bench_reads_it(local_store):
+    """The bench labels threads by the names chdb leaves on them (RENAMED_BY_CHDB): an
+    insert that feeds ``events_in``'s view runs on the calling thread and renames it.
+    If a chdb upgrade changes that name, the bench's "sink thread" figure goes astray.
+    (A new thread inherits its creator's name, and this process's main thread inserted
+    through the view in other tests: the thread names itself first.)"""
+    _, client = local_store
+    run_id = f"thread-name-{uuid.uuid4()}"
+    work = Pipeline(Settings(), MemoryRunStore()).process(
+        [RawMessage("t", PARTITION, OFFSET, _envelope(_awkward_events(run_id)))])
+    names: list[str] = []
+
+    def insert() -> None:
+        task = Path(f"/proc/self/task/{threading.get_native_id()}/comm")
+        task.write_text("python")
+        names.append(task.read_text().strip())
+        ClickHouseSink(client).write_batch(
+            RowBatch(tables={EVENTS_IN_TABLE: work.rows.tables[EVENTS_IN_TABLE]}))
+        names.append(task.read_text().strip())
+
+    thread = threading.Thread(target=insert)
+    thread.start()
+    thread.join()
+    _delete(client, [run_id])
+    assert names[0] == "python"
+    assert RENAMED_BY_CHDB.get(names[1]) == "sink thread"

@@ -152,6 +152,15 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
         return 0.0, 0.0
 
 
+def waiting_for_core_s(pid: int) -> float:
+    """Seconds the main thread of ``pid`` was ready to run but waited for a core (the
+    run queue wait of ``/proc/<pid>/task/<pid>/schedstat``); 0 once it is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 #: what a thread is, by the name ClickHouse leaves on it: chdb runs a query on the
 #: calling thread, and an insert that feeds a materialized view (``events_in``'s) renames
 #: it ``Unknown``; in ``loopwatch up`` only the sink thread inserts through that view
@@ -225,11 +234,13 @@ class CpuSample:
     up: tuple[float, float]
     threads: dict[int, tuple[str, float]]
     broker: float
+    main_waiting: float = 0.0
 
     @classmethod
     def take(cls, up_pid: int, broker_pid: int) -> CpuSample:
         return cls(machine_ticks(), cpu_seconds(up_pid), thread_cpu(up_pid),
-                   cpu_seconds(broker_pid)[1] if broker_pid else 0.0)
+                   cpu_seconds(broker_pid)[1] if broker_pid else 0.0,
+                   waiting_for_core_s(up_pid))
 
 
 def machine() -> dict[str, Any]:
@@ -276,17 +287,19 @@ def cpu_note(opened: CpuSample, closed: CpuSample, events: int, seconds: float) 
     """Where a measured window's CPU went, per event: what bounds the throughput on a
     machine whose two cores the processor, its in-process chdb and the broker share.
 
-    >>> cpu_note(CpuSample((0, 0), (1.0, 3.0), {}, 0.5),
-    ...          CpuSample((0, 0), (6.0, 15.0), {}, 1.0), 500_000, 10.0)[:62]
-    'CPU per event: up main thread 10.0 µs (busy 50% of the window)'
+    >>> cpu_note(CpuSample((0, 0), (1.0, 3.0), {}, 0.5, 0.2),
+    ...          CpuSample((0, 0), (6.0, 15.0), {}, 1.0, 2.2), 500_000, 10.0)[:89]
+    'CPU per event: up main thread 10.0 µs (running 50% of the window, waiting for a core 20%)'
     """
     main = closed.up[0] - opened.up[0]
     process = closed.up[1] - opened.up[1]
+    waiting = closed.main_waiting - opened.main_waiting
     per_event = 1e6 / max(events, 1)
-    return (f"CPU per event: up main thread {main * per_event:.1f} µs (busy "
-            f"{main / max(seconds, 1e-9):.0%} of the window), up's other threads "
-            f"{(process - main) * per_event:.1f} µs (the sink thread's inserts, chdb's "
-            f"threads, faust's consumer thread), broker "
+    window = max(seconds, 1e-9)
+    return (f"CPU per event: up main thread {main * per_event:.1f} µs (running "
+            f"{main / window:.0%} of the window, waiting for a core {waiting / window:.0%}), "
+            f"up's other threads {(process - main) * per_event:.1f} µs (the sink thread's "
+            f"inserts, chdb's threads, faust's consumer thread), broker "
             f"{(closed.broker - opened.broker) * per_event:.1f} µs")
 
 
@@ -393,6 +406,7 @@ def measure_processing(up: UpProcess, already: int, target: int, progress: Progr
     sample_before = sample_opened = sample()
     last_change, longest_stall, previous = before, 0.0, already
     stored, slowest_poll = already, 0.0
+    changes: list[tuple[float, int]] = []
     while True:
         now = time.monotonic()
         if now > deadline:
@@ -409,6 +423,7 @@ def measure_processing(up: UpProcess, already: int, target: int, progress: Progr
         if opened is not None and stored != previous:
             longest_stall = max(longest_stall, now - last_change)
             last_change, previous = now, stored
+            changes.append((now, stored - already))
             progress(f"stored {stored - already}/{target - already}")
         if stored >= target:
             break
@@ -419,20 +434,44 @@ def measure_processing(up: UpProcess, already: int, target: int, progress: Progr
     return {"rate": (stored - already) / elapsed, "seconds": elapsed,
             "longest_stall_s": longest_stall, "slowest_poll_s": slowest_poll,
             "busy_cores": busy_cores(sample_opened.machine, closed.machine),
+            "middle_rate": middle_rate(changes, target - already),
             "opened": sample_opened, "closed": closed}
 
 
-def window_note(label: str, measured: dict[str, float], detail: str) -> str:
+def middle_rate(changes: list[tuple[float, int]], total: int) -> float | None:
+    """Events per second between the polls that first saw 10 % and 90 % of ``total``
+    stored (``changes``: (time, stored) at each poll that saw more): the rate without
+    the window's edges, where the first batch fills and the last one, short of a full
+    batch, waits out ``batch_max_wait_s``. None if both fall on one poll.
+
+    >>> middle_rate([(0.0, 5), (1.0, 20), (3.0, 60), (4.0, 95), (5.0, 100)], 100)
+    25.0
+    >>> middle_rate([(0.0, 100)], 100) is None
+    True
+    """
+    low = next(point for point in changes if point[1] >= total * 0.1)
+    high = next(point for point in changes if point[1] >= total * 0.9)
+    if high[0] <= low[0]:
+        return None
+    return (high[1] - low[1]) / (high[0] - low[0])
+
+
+def window_note(label: str, measured: dict[str, Any], detail: str) -> str:
     """One measured window (:func:`measure_processing`) in words.
 
-    >>> window_note("1 worker", {"seconds": 8.7, "busy_cores": 1.53, "longest_stall_s": 0.6,
-    ...                          "slowest_poll_s": 0.1}, "up pid 7")[:44]
-    "1 worker: 8.7s window, 1.53 of the machine's"
+    >>> note = window_note("1 worker", {"seconds": 8.7, "busy_cores": 1.53,
+    ...                                 "longest_stall_s": 0.6, "slowest_poll_s": 0.1,
+    ...                                 "middle_rate": 41_230.0}, "up pid 7")
+    >>> note[:87]
+    '1 worker: 8.7s window, 41.2k events/s between 10 % and 90 % stored, 1.53 of the machine'
     """
-    return (f"{label}: {measured['seconds']:.1f}s window, {measured['busy_cores']:.2f} of the "
-            f"machine's {os.cpu_count()} cores busy, longest stretch without progress "
-            f"{measured['longest_stall_s']:.1f}s, slowest poll "
-            f"{measured['slowest_poll_s']:.1f}s ({detail})")
+    middle = measured["middle_rate"]
+    middle_text = "" if middle is None else \
+        f"{middle / 1e3:.1f}k events/s between 10 % and 90 % stored, "
+    return (f"{label}: {measured['seconds']:.1f}s window, {middle_text}"
+            f"{measured['busy_cores']:.2f} of the machine's {os.cpu_count()} cores busy, "
+            f"longest stretch without progress {measured['longest_stall_s']:.1f}s, slowest "
+            f"poll {measured['slowest_poll_s']:.1f}s ({detail})")
 
 
 def query_latencies(up: UpProcess, runs: int = 3) -> dict[str, float]:

@@ -7,6 +7,9 @@ recovery does (last value per key) and check it holds the states the runs table 
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import urllib.error
 import uuid
 from pathlib import Path
 
@@ -17,7 +20,9 @@ from ingest.events import Step
 from ingest.sdk import Emitter, RunContext
 from ingest.wire import encode_event
 from loopwatch.config import Settings
-from loopwatch.embedded.broker import EmbeddedBroker
+from loopwatch.embedded.broker import EmbeddedBroker, free_port
+from loopwatch.runtime import _store_callbacks
+from loopwatch.store.reader import ServiceReader
 from processors.app import Processor
 from processors.pipeline import RawMessage
 from processors.runs import RunState, seen_ids
@@ -119,3 +124,34 @@ def test_a_changelogged_state_that_cannot_be_read_is_read_from_the_store_instead
     assert processor.pipeline.counters.processing_errors == 0
     (row,) = work.rows.tables["runs"]
     assert (row["run_id"], row["steps"], row["version"]) == ("damaged", 6, 7)
+
+
+def test_a_sweep_pass_that_cannot_reach_the_store_is_logged_and_tried_again(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch):
+    """The sweep runs in a faust timer, where an exception crashes the app (and in
+    ``loopwatch up`` the embedded broker and its memory with it). A worker whose store
+    service does not answer (a port nothing listens on: a real refused connection)
+    cannot read the open runs it would adopt after an assignment: each pass logs that
+    and returns, and the next pass asks again. No faust worker runs here, so the test
+    says the table is recovered and which partitions the worker was assigned."""
+    unreachable = ServiceReader(f"http://127.0.0.1:{free_port()}")
+    open_runs, lookup_run = _store_callbacks(unreachable)
+    asked: list[int] = []
+
+    def counted_open_runs() -> list[RunState]:
+        asked.append(len(asked))
+        return open_runs()
+
+    processor = Processor(Settings(data_dir=tmp_path), "127.0.0.1:1", _Discard(),
+                          open_runs=counted_open_runs, lookup_run=lookup_run)
+    monkeypatch.setattr(processor, "_ready", lambda: True)
+    monkeypatch.setattr(processor.store, "active_partitions", lambda: {0, 1})
+    with caplog.at_level(logging.ERROR, logger="processors.app"):
+        for _ in range(2):
+            asyncio.run(processor._sweep())
+    assert asked == [0, 1]
+    failures = [record for record in caplog.records
+                if record.getMessage().startswith("the sweep failed")]
+    assert len(failures) == 2
+    assert failures[0].exc_info is not None
+    assert isinstance(failures[0].exc_info[1], urllib.error.URLError)

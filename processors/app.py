@@ -102,6 +102,27 @@ def release_freed_memory() -> None:
         _malloc_trim()
 
 
+def chunks(messages: list[RawMessage]) -> Iterator[list[RawMessage]]:
+    """Consecutive runs of messages of about ``CHUNK_BYTES`` (a batch's fold-and-write
+    units).
+
+    >>> sizes = [len(c) for c in chunks([RawMessage("t", 0, n, b"x" * 3_000_000)
+    ...                                  for n in range(7)])]
+    >>> sizes
+    [3, 3, 1]
+    """
+    chunk: list[RawMessage] = []
+    size = 0
+    for message in messages:
+        chunk.append(message)
+        size += len(message.value or b"") + CHUNK_MESSAGE_BYTES
+        if size >= CHUNK_BYTES:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
 def _report_unstored(acked: asyncio.Future[None]) -> None:
     """Log a batch left unacked because its writes stopped retrying (the worker is
     stopping); the agent may no longer be there to await it."""
@@ -383,9 +404,9 @@ class Processor:
         chunk that reached the limit, which bounds a batch's memory as chunks do."""
         touched: dict[str, RunState] = {}
         deferred = RowBatch()
-        chunks = list(self._chunks(messages))
+        batch_chunks = list(chunks(messages))
         writes: list[asyncio.Future[None]] = []
-        for chunk in chunks[:-1]:
+        for chunk in batch_chunks[:-1]:
             work = self.pipeline.fold(chunk, touched)
             deferred.extend(work.rows.take_all_but(STREAMED_TABLE))
             if len(touched) >= self.settings.settle_max_runs \
@@ -394,7 +415,7 @@ class Processor:
                 work.rows.extend(deferred)
                 touched, deferred = {}, RowBatch()
             writes.append(await self._queue_write(work))
-        last = self.pipeline.fold(chunks[-1], touched) if chunks else Work()
+        last = self.pipeline.fold(batch_chunks[-1], touched) if batch_chunks else Work()
         last.rows.extend(self.pipeline.settle(touched).rows)
         last.rows.extend(deferred)
         writes.append(await self._queue_write(last))
@@ -410,19 +431,6 @@ class Processor:
         write, inserted = self._start_write(work)
         self._in_flight.append(inserted)
         return write
-
-    def _chunks(self, messages: list[RawMessage]) -> Iterator[list[RawMessage]]:
-        """Consecutive runs of messages of about ``CHUNK_BYTES``."""
-        chunk: list[RawMessage] = []
-        size = 0
-        for message in messages:
-            chunk.append(message)
-            size += len(message.value or b"") + CHUNK_MESSAGE_BYTES
-            if size >= CHUNK_BYTES:
-                yield chunk
-                chunk, size = [], 0
-        if chunk:
-            yield chunk
 
     async def _sweep(self) -> None:
         """The timer's pass. An exception in a faust timer crashes the app, which in

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
+import sys
 
 import orjson
 import typer
@@ -45,3 +47,20 @@ def test_bench_smoke() -> None:
     assert figures["workers"].get("2") is None
     assert figures["machine"]["cores"] == os.cpu_count()
     assert figures["machine"]["cpu"] and figures["machine"]["python"] == platform.python_version()
+
+
+def test_fold_bench_smoke_stores_every_event_once() -> None:
+    """``python -m bench.fold`` in its own process (chdb opens one store per process,
+    and the test process has its own): every generated event is folded and stored
+    once, none dead-lettered."""
+    events = 3000
+    done = subprocess.run([sys.executable, "-m", "bench.fold", "--events", str(events),
+                           "--json"], capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    figures = orjson.loads(done.stdout.strip().splitlines()[-1])
+    assert (figures["events"], figures["stored_events"], figures["dead_letters"]) == (
+        events, events, 0)
+    assert figures["fold_us_per_event"] > 0
+    assert figures["insert_calling_thread_us_per_event"] > 0
+    assert figures["threads"].startswith("CPU per event by thread: main thread")

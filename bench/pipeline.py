@@ -441,8 +441,9 @@ def measure_processing(up: UpProcess, already: int, target: int, progress: Progr
 def middle_rate(changes: list[tuple[float, int]], total: int) -> float | None:
     """Events per second between the polls that first saw 10 % and 90 % of ``total``
     stored (``changes``: (time, stored) at each poll that saw more): the rate without
-    the window's edges, where the first batch fills and the last one, short of a full
-    batch, waits out ``batch_max_wait_s``. None if both fall on one poll.
+    the window's edges (the poll that opens it, the last chunk's write). A run of a few
+    batches still has the wait before its last, partial batch (``batch_max_wait_s``)
+    inside that span. None if both fall on one poll.
 
     >>> middle_rate([(0.0, 5), (1.0, 20), (3.0, 60), (4.0, 95), (5.0, 100)], 100)
     25.0

@@ -705,26 +705,33 @@ def run_bench(events: int, workers: int, query_events: int,
                 result["query_latency_s"] = query_latencies(up)
             result["ratio"] = result["pipeline_events_per_s"] / result["raw_consume_events_per_s"]
 
-            # -- two processors: a fresh store and consumer group on the same topic
+            # -- two processors: a store filled as the first one's (merges with what a store
+            # holds cost ClickHouse about twice as much), a consumer group of their own
             if workers >= 2:
                 if workers > 2:
                     note("only 1 and 2 workers are measured (2 cores)")
                 data_two = root / "w2"
                 env_two = {**env, **THROUGHPUT_ENV,
                            "LOOPWATCH_CONSUMER_GROUP": "loopwatch-bench-w2"}
+                baseline_two = 0
+                if query_events > 0:
+                    progress(f"bulk-loading the same {query_events} events into the second "
+                             "store")
+                    baseline_two = bulk_load(data_two, query_events, seed=11)
                 progress("starting loopwatch up + loopwatch worker (2 workers)")
                 with UpProcess(data_two, env_two) as up:
                     extra = _worker(env_two, data_two)
                     try:
                         measured = measure_processing(
-                            up, 0, sent, progress,
+                            up, baseline_two, baseline_two + sent, progress,
                             partial(CpuSample.take, _pid(up), broker.pid or 0))
                     finally:
                         terminate(extra, 60)
                 result["workers"]["2"] = measured["rate"]
                 note("2 workers " + log_signals(data_two / "logs"))
                 note(window_note("2 workers", measured,
-                                 "a rebalance while the second worker joins falls inside it"))
+                                 "a rebalance while the second worker joins falls inside it; "
+                                 "its store was filled as the first's"))
             else:
                 note("workers['2'] is null: run with --workers 2 to measure it")
 

@@ -48,10 +48,12 @@ to the baseline measured in the same run; the machine is shared):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -66,6 +68,8 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from kafka import KafkaConsumer, KafkaProducer
+from kafka import TopicPartition as KafkaTopicPartition
 
 from bench.open_run_heap import heap_per_open_run, open_run_starts
 from ingest.events import EventBase, RunStart, Step
@@ -541,6 +545,83 @@ def _wait_counter(up: UpProcess, target: int, timeout_s: float = 120) -> None:
         time.sleep(0.1)
 
 
+def read_topic(bootstrap: str, topic: str) -> list[tuple[int, bytes | None, bytes | None]]:
+    """Every message of ``topic`` as (partition, key, value), in offset order."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap.split(","), enable_auto_commit=False)
+    try:
+        consumer.topics()  # a new client knows no partitions before its first metadata
+        partitions = [KafkaTopicPartition(topic, number)
+                      for number in sorted(consumer.partitions_for_topic(topic) or ())]
+        consumer.assign(partitions)
+        consumer.seek_to_beginning(*partitions)
+        ends = consumer.end_offsets(partitions)
+        messages: list[tuple[int, bytes | None, bytes | None]] = []
+        while any(consumer.position(tp) < end for tp, end in ends.items()):
+            for batch in consumer.poll(timeout_ms=1000).values():
+                messages.extend((record.partition, record.key, record.value)
+                                for record in batch)
+        return messages
+    finally:
+        consumer.close()
+
+
+def write_topic(bootstrap: str, topic: str,
+                messages: list[tuple[int, bytes | None, bytes | None]]) -> None:
+    """Send messages as :func:`read_topic` returned them, each to its partition."""
+    producer = KafkaProducer(bootstrap_servers=bootstrap.split(","), linger_ms=20,
+                             batch_size=1_048_576, max_request_size=16_777_216)
+    try:
+        for partition, key, value in messages:
+            producer.send(topic, key=key, value=value, partition=partition)
+        producer.flush(120)
+    finally:
+        producer.close()
+
+
+async def _group_members(bootstrap: str, group: str) -> tuple[str, int]:
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        (response,) = await admin.describe_consumer_groups([group])
+        described = response.groups[0]
+        return described[2], len(described[5])  # (error, group, state, type, protocol, members)
+    finally:
+        await admin.close()
+
+
+@contextlib.contextmanager
+def stopped(pids: list[int]) -> Iterator[None]:
+    """The processes stopped (SIGSTOP) inside the block, continued after it. Short
+    enough a stop (a few seconds, under ``session_timeout_s``) costs no rebalance."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+
+
+def _timed(action: Callable[[], object]) -> float:
+    """Seconds ``action`` took."""
+    started = time.monotonic()
+    action()
+    return time.monotonic() - started
+
+
+def wait_group_stable(bootstrap: str, group: str, members: int, timeout_s: float = 180) -> None:
+    """Until ``group`` is ``Stable`` with ``members`` members. aiokafka's admin, since
+    kafka-python 3.0.12 cannot read the broker's DescribeGroups answer (it fails on the
+    authorized operations field)."""
+    deadline = time.monotonic() + timeout_s
+    while asyncio.run(_group_members(bootstrap, group)) != ("Stable", members):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"consumer group {group} did not settle with {members} members")
+        time.sleep(0.5)
+
+
 def _wait_lag_zero(bootstrap: str, group: str, topic: str, timeout_s: float = 120) -> None:
     probe = LagProbe(bootstrap, group, topic)
     try:
@@ -706,13 +787,19 @@ def run_bench(events: int, workers: int, query_events: int,
             result["ratio"] = result["pipeline_events_per_s"] / result["raw_consume_events_per_s"]
 
             # -- two processors: a store filled as the first one's (merges with what a store
-            # holds cost ClickHouse about twice as much), a consumer group of their own
+            # holds cost ClickHouse about twice as much), a group and a topic of their own;
+            # the topic gets the messages once both are in the group, so that the window
+            # holds no rebalance (the issue leaves group joins out), while both are stopped
+            # (SIGSTOP), so that the copy neither starts them early nor takes their CPU
             if workers >= 2:
                 if workers > 2:
                     note("only 1 and 2 workers are measured (2 cores)")
                 data_two = root / "w2"
-                env_two = {**env, **THROUGHPUT_ENV,
-                           "LOOPWATCH_CONSUMER_GROUP": "loopwatch-bench-w2"}
+                group_two, topic_two = "loopwatch-bench-w2", "bench.w2"
+                env_two = {**env, **THROUGHPUT_ENV, "LOOPWATCH_CONSUMER_GROUP": group_two,
+                           "LOOPWATCH_EVENTS_TOPIC": topic_two}
+                ensure_topics(bootstrap, settings.model_copy(update={"events_topic": topic_two}))
+                messages = read_topic(bootstrap, topic)
                 baseline_two = 0
                 if query_events > 0:
                     progress(f"bulk-loading the same {query_events} events into the second "
@@ -722,6 +809,12 @@ def run_bench(events: int, workers: int, query_events: int,
                 with UpProcess(data_two, env_two) as up:
                     extra = _worker(env_two, data_two)
                     try:
+                        progress("waiting for both workers to join their group")
+                        wait_group_stable(bootstrap, group_two, 2)
+                        progress(f"copying the {len(messages)} messages to {topic_two}")
+                        with stopped([_pid(up), extra.pid]):
+                            copy_s = _timed(partial(write_topic, bootstrap, topic_two, messages))
+                        del messages
                         measured = measure_processing(
                             up, baseline_two, baseline_two + sent, progress,
                             partial(CpuSample.take, _pid(up), broker.pid or 0))
@@ -730,8 +823,9 @@ def run_bench(events: int, workers: int, query_events: int,
                 result["workers"]["2"] = measured["rate"]
                 note("2 workers " + log_signals(data_two / "logs"))
                 note(window_note("2 workers", measured,
-                                 "a rebalance while the second worker joins falls inside it; "
-                                 "its store was filled as the first's"))
+                                 "both joined their group before any message was in their "
+                                 f"topic, and were stopped while it was filled ({copy_s:.1f}s); "
+                                 "a store filled as the first one's"))
             else:
                 note("workers['2'] is null: run with --workers 2 to measure it")
 

@@ -29,7 +29,7 @@ def test_bench_smoke() -> None:
 
     events = 3000
     result = CliRunner().invoke(
-        app, ["bench", "--events", str(events), "--workers", "1", "--query-events", "2000",
+        app, ["bench", "--events", str(events), "--workers", "2", "--query-events", "2000",
               "--json"])
     assert result.exit_code == 0, result.output
     figures = orjson.loads(result.stdout.strip().splitlines()[-1])
@@ -44,7 +44,7 @@ def test_bench_smoke() -> None:
     assert all(isinstance(value, float) and value > 0
                for value in figures["query_latency_s"].values())
     assert figures["workers"]["1"] == figures["pipeline_events_per_s"]
-    assert figures["workers"].get("2") is None
+    assert isinstance(figures["workers"]["2"], float) and figures["workers"]["2"] > 0
     assert figures["machine"]["cores"] == os.cpu_count()
     assert figures["machine"]["cpu"] and figures["machine"]["python"] == platform.python_version()
 

@@ -36,6 +36,7 @@ from loopwatch.reprocess import MemoryRunStore
 from loopwatch.store.clickhouse import migrate
 from processors.app import chunks, tune_gc
 from processors.pipeline import Pipeline, RawMessage
+from processors.runs import RunState
 from processors.sink import ClickHouseSink
 
 #: events per envelope: the SDK's ``Emitter`` default ``max_batch``
@@ -83,7 +84,7 @@ def measure_fold(events: int, write: bool, data_dir: Path, seed: int = 7) -> dic
     started = time.perf_counter()
     for chunk in chunks(messages):
         before = time.thread_time()
-        touched: dict[str, Any] = {}
+        touched: dict[str, RunState] = {}
         work = pipeline.fold(chunk, touched)
         work.rows.extend(pipeline.settle(touched).rows)
         folded = time.thread_time()

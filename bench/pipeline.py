@@ -70,6 +70,7 @@ from typing import Any
 import orjson
 from kafka import KafkaConsumer, KafkaProducer
 from kafka import TopicPartition as KafkaTopicPartition
+from kafka.consumer.fetcher import ConsumerRecord
 
 from bench.open_run_heap import heap_per_open_run, open_run_starts
 from ingest.events import EventBase, RunStart, Step
@@ -545,8 +546,9 @@ def _wait_counter(up: UpProcess, target: int, timeout_s: float = 120) -> None:
         time.sleep(0.1)
 
 
-def read_topic(bootstrap: str, topic: str) -> list[tuple[int, bytes | None, bytes | None]]:
-    """Every message of ``topic`` as (partition, key, value), in offset order."""
+def read_topic(bootstrap: str, topic: str) -> list[ConsumerRecord]:
+    """Every record of ``topic``, from the beginning to the end offsets it had when read
+    (each partition's in offset order)."""
     consumer = KafkaConsumer(bootstrap_servers=bootstrap.split(","), enable_auto_commit=False)
     try:
         consumer.topics()  # a new client knows no partitions before its first metadata
@@ -555,24 +557,23 @@ def read_topic(bootstrap: str, topic: str) -> list[tuple[int, bytes | None, byte
         consumer.assign(partitions)
         consumer.seek_to_beginning(*partitions)
         ends = consumer.end_offsets(partitions)
-        messages: list[tuple[int, bytes | None, bytes | None]] = []
+        records: list[ConsumerRecord] = []
         while any(consumer.position(tp) < end for tp, end in ends.items()):
             for batch in consumer.poll(timeout_ms=1000).values():
-                messages.extend((record.partition, record.key, record.value)
-                                for record in batch)
-        return messages
+                records.extend(batch)
+        return records
     finally:
         consumer.close()
 
 
-def write_topic(bootstrap: str, topic: str,
-                messages: list[tuple[int, bytes | None, bytes | None]]) -> None:
-    """Send messages as :func:`read_topic` returned them, each to its partition."""
+def write_topic(bootstrap: str, topic: str, records: list[ConsumerRecord]) -> None:
+    """Send records as :func:`read_topic` returned them, each to its partition."""
     producer = KafkaProducer(bootstrap_servers=bootstrap.split(","), linger_ms=20,
                              batch_size=1_048_576, max_request_size=16_777_216)
     try:
-        for partition, key, value in messages:
-            producer.send(topic, key=key, value=value, partition=partition)
+        for record in records:
+            producer.send(topic, key=record.key, value=record.value,
+                          partition=record.partition)
         producer.flush(120)
     finally:
         producer.close()

@@ -18,8 +18,6 @@ from typing import Any, TypeVar
 import orjson
 import pytest
 from clickhouse_connect.driver.client import Client
-from kafka import KafkaConsumer, TopicPartition
-from kafka.consumer.fetcher import ConsumerRecord
 
 from ingest.sdk import Emitter
 from loopwatch.config import Settings
@@ -199,25 +197,6 @@ def raw_events(rows: RowBatch) -> list[dict[str, Any]]:
     ``events_in`` row, which ClickHouse splits: tests/test_events_in.py checks how)."""
     split = orjson.loads(encode_rows(rows.tables.get(EVENTS_IN_TABLE, [])))
     return [event for row in split for event in row["event_objects"]]
-
-
-def read_to_end(bootstrap: str, topic: str) -> list[ConsumerRecord]:
-    """Every record of ``topic``, from the beginning to the end offsets it had when read."""
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
-    try:
-        consumer.topics()  # a new client knows no partitions before its first metadata request
-        partitions = [TopicPartition(topic, number)
-                      for number in sorted(consumer.partitions_for_topic(topic) or ())]
-        consumer.assign(partitions)
-        consumer.seek_to_beginning(*partitions)
-        ends = consumer.end_offsets(partitions)
-        records: list[ConsumerRecord] = []
-        while any(consumer.position(tp) < end for tp, end in ends.items()):
-            for batch in consumer.poll(timeout_ms=1000).values():
-                records.extend(batch)
-        return records
-    finally:
-        consumer.close()
 
 
 def wait_stored(reader: ServiceReader, agent: str, events: int, timeout_s: float = 90) -> None:

@@ -17,10 +17,11 @@ import orjson
 import pytest
 from kafka import KafkaProducer
 
+from bench.pipeline import read_topic
 from ingest.capture import Blob, PartRef, assemble_part, blob_hash, build_capture_message, part_hash
 from ingest.sdk import Emitter
 from ingest.wire import exact_json
-from tests.conftest import read_to_end, wait_for
+from tests.conftest import wait_for
 
 SYSTEM = {"role": "system", "content": "You are the refund bot. Be brief. " * 40}
 CAPTURES = "loopwatch.captures"
@@ -250,7 +251,7 @@ def test_capture_off_sends_nothing(broker, pipeline, reader, agent, tmp_path):
         assert emitter.flush(30)
     assert (emitter.stats.captures, emitter.stats.capture_bytes) == (0, 0)
     assert event.prompt_hash is not None and event.response_bytes == 5  # hashes still kept
-    keys = [record.key for record in read_to_end(broker.bootstrap, CAPTURES)]
+    keys = [record.key for record in read_topic(broker.bootstrap, CAPTURES)]
     assert run.run_id.encode() not in keys
 
 

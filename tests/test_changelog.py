@@ -16,6 +16,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from bench.pipeline import read_topic
 from ingest.events import Step
 from ingest.sdk import Emitter, RunContext
 from ingest.wire import encode_event
@@ -27,14 +28,14 @@ from processors.app import Processor
 from processors.pipeline import RawMessage
 from processors.runs import RunState, seen_ids
 from processors.sink import RowBatch
-from tests.conftest import read_to_end, scalar, wait_for
+from tests.conftest import scalar, wait_for
 
 CHANGELOG_TOPIC = f"{Settings().consumer_group}-runs-changelog"
 
 
 def latest_changelog_values(bootstrap: str) -> dict[bytes, bytes | None]:
     """The last value of every key on the changelog, read from the beginning."""
-    return {record.key: record.value for record in read_to_end(bootstrap, CHANGELOG_TOPIC)}
+    return {record.key: record.value for record in read_topic(bootstrap, CHANGELOG_TOPIC)}
 
 
 def recovered_state(bootstrap: str, run_id: str) -> RunState | None:

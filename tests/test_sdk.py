@@ -13,6 +13,7 @@ import pytest
 from kafka.admin import KafkaAdminClient, NewTopic
 from pydantic import ValidationError
 
+from bench.pipeline import read_topic
 from ingest.capture import assemble_part, blob_hash, part_hash
 from ingest.events import Step
 from ingest.handoff import Handoff
@@ -20,7 +21,6 @@ from ingest.sdk import Emitter, ToolTimeout, partition_for
 from ingest.wire import decode_message
 from loopwatch.embedded.broker import EmbeddedBroker, free_port
 from processors.capture import parse_capture
-from tests.conftest import read_to_end
 
 
 def create_topic(bootstrap: str, name: str, partitions: int = 3) -> None:
@@ -32,7 +32,7 @@ def create_topic(bootstrap: str, name: str, partitions: int = 3) -> None:
 def read_all(bootstrap: str, topic: str) -> list[tuple[int, dict]]:
     """(partition, event) for every event on the topic, envelopes unpacked."""
     return [(message.partition, orjson.loads(event.model_dump_json()))
-            for message in read_to_end(bootstrap, topic)
+            for message in read_topic(bootstrap, topic)
             for event in decode_message(message.value, 10_000_000).events]
 
 
@@ -118,7 +118,7 @@ def test_a_burst_makes_one_full_envelope_per_partition(broker, tmp_path: Path):
                 emitter.emit(Step(run_id=run_of[partition], agent="a", step=step))
         assert emitter.flush(30)
     sizes = sorted((len(decode_message(message.value, 10_000_000).events), message.partition)
-                   for message in read_to_end(broker.bootstrap, topic))
+                   for message in read_topic(broker.bootstrap, topic))
     assert sizes == [(1, 0), (10, 0), (10, 1), (10, 2)]
 
 
@@ -168,7 +168,7 @@ def test_a_damaged_spool_line_is_sent_on_and_the_emitter_keeps_going(
         emitter.emit(Step(run_id="after-torn", agent="a", step=2))
         assert emitter.flush(30)
     assert (emitter.stats.resent, emitter.stats.sent) == (2, 3)
-    values = [message.value for message in read_to_end(broker.bootstrap, topic)]
+    values = [message.value for message in read_topic(broker.bootstrap, topic)]
     decoded = [decode_message(value, 10_000_000) for value in values]
     assert sorted(event.step for d in decoded for event in d.events) == [1, 2]  # type: ignore[attr-defined]
     assert sum(len(d.dead) for d in decoded) == 1
@@ -219,7 +219,7 @@ def test_an_extra_integer_beyond_64_bits_is_sent_digit_for_digit(broker, tmp_pat
     with Emitter(broker.bootstrap, topic, tmp_path) as emitter:
         for step, extra in ((1, {}), (2, {"order_id": big}), (3, {})):
             emitter.emit(Step(run_id="big", agent="a", step=step, **extra))
-    (message,) = read_to_end(broker.bootstrap, topic)
+    (message,) = read_topic(broker.bootstrap, topic)
     assert b'"order_id":123456789012345678901234567890' in message.value
     events = decode_message(message.value, 10_000_000).events
     assert [(event.step, event.model_extra) for event in events] == [
@@ -259,7 +259,7 @@ def test_timed_tool_call_reports_the_true_duration_of_a_late_completion(broker, 
 
 def read_captures(bootstrap: str, topic: str) -> list[tuple[int, bytes, Any]]:
     """(partition, key, checked capture message) for every message on ``topic``."""
-    return [(m.partition, m.key, parse_capture(m.value)) for m in read_to_end(bootstrap, topic)]
+    return [(m.partition, m.key, parse_capture(m.value)) for m in read_topic(bootstrap, topic)]
 
 
 def test_bodies_travel_on_the_captures_topic_serialised_at_the_call(broker, tmp_path: Path):

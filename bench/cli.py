@@ -103,6 +103,14 @@ def _fmt(value: Any, unit: str = "") -> str:
     return f"{value:,}{unit}"
 
 
+#: the rows of :func:`bench.pipeline.cpu_budget`'s figures
+BUDGET_ROWS = (("CPU budget at 1/3 of raw", "budget_us"),
+               ("  storing (sink thread, chdb)", "store_us"),
+               ("  broker", "broker_us"),
+               ("  left for the processors", "left_for_processors_us"),
+               ("processors' Python spent", "processors_us"))
+
+
 def print_result(result: dict[str, Any]) -> None:
     table = Table(title=f"loopwatch bench ({result['events']:,} events)")
     table.add_column("figure")
@@ -120,6 +128,8 @@ def print_result(result: dict[str, Any]) -> None:
         ("alert latency p95", _fmt(result["alert_latency_p95_s"], " s")),
         *((f"query {name}", _fmt(seconds, " s"))
           for name, seconds in result["query_latency_s"].items()),
+        *((label, _fmt((result["cpu_budget"] or {}).get(key), " µs/ev"))
+          for label, key in BUDGET_ROWS),
     ]
     for name, value in rows:
         table.add_row(name, value)

@@ -27,7 +27,7 @@ from typing import Any
 
 import orjson
 
-from bench.pipeline import generate_events, thread_cpu, threads_note
+from bench.pipeline import cpu_by_kind, generate_events, thread_cpu, threads_note
 from ingest.events import EventBase
 from ingest.sdk import partition_for
 from ingest.wire import encode_envelope
@@ -106,7 +106,8 @@ def measure_fold(events: int, write: bool, data_dir: Path, seed: int = 7) -> dic
         "fold_us_per_event": fold_s * per_event,
         "insert_calling_thread_us_per_event": insert_s * per_event if write else None,
         "wall_s": elapsed,
-        "threads": threads_note(threads_before, thread_cpu(pid), pid, folded_events),
+        "threads": threads_note(cpu_by_kind(threads_before, thread_cpu(pid), pid,
+                                             folded_events)),
     }
 
 

@@ -97,7 +97,7 @@ FLEET: tuple[Agent, ...] = (
 KEYS = ("events", "pipeline_events_per_s", "raw_consume_events_per_s", "ratio",
         "emitter_events_per_s", "alert_latency_p50_s", "alert_latency_p95_s",
         "processor_peak_rss_mb", "memory_per_open_run_bytes", "stored_bytes_per_event",
-        "query_latency_s", "workers", "machine")
+        "query_latency_s", "workers", "machine", "cpu_budget")
 POLL_S = 0.25
 #: batches of new open runs for the memory figure (the first pays one-time allocations)
 MEMORY_ROUNDS = 5
@@ -206,16 +206,17 @@ def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
     return used
 
 
-def threads_note(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
-                 pid: int, events: int) -> str:
-    """CPU per event of each kind of thread between two :func:`thread_cpu` of ``pid``,
-    most first. Each thread counts what it used in between under the name it has at the
-    end (chdb renames threads); threads that ended in between are left out.
+def cpu_by_kind(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
+                pid: int, events: int) -> dict[str, float]:
+    """CPU per event (µs) of each kind of thread (:func:`thread_kind`) between two
+    :func:`thread_cpu` of ``pid``. Each thread counts what it used in between under the
+    name it has at the end (chdb renames threads); threads that ended in between are
+    left out.
 
-    >>> threads_note({7: ("python", 1.0), 9: ("python", 2.0)},
-    ...              {7: ("python", 6.0), 9: ("Unknown", 3.0), 11: ("ThreadPool", 4.0)},
-    ...              7, 500_000)
-    'CPU per event by thread: main thread 10.0 µs, ThreadPool 8.0 µs, sink thread 2.0 µs'
+    >>> cpu_by_kind({7: ("python", 1.0), 9: ("python", 2.0)},
+    ...             {7: ("python", 6.0), 9: ("Unknown", 3.0), 11: ("ThreadPool", 4.0)},
+    ...             7, 500_000)
+    {'main thread': 10.0, 'sink thread': 2.0, 'ThreadPool': 8.0}
     """
     main_name = after.get(pid, before.get(pid, ("", 0.0)))[0]
     per_event = 1e6 / max(events, 1)
@@ -224,8 +225,57 @@ def threads_note(before: dict[int, tuple[str, float]], after: dict[int, tuple[st
         kind = thread_kind(tid, name, pid, main_name)
         spent = (seconds - before.get(tid, (name, 0.0))[1]) * per_event
         used[kind] = used.get(kind, 0.0) + spent
+    return used
+
+
+def threads_note(used: dict[str, float]) -> str:
+    """:func:`cpu_by_kind`'s figures, most first.
+
+    >>> threads_note({'main thread': 10.0, 'sink thread': 2.0, 'ThreadPool': 8.0})
+    'CPU per event by thread: main thread 10.0 µs, ThreadPool 8.0 µs, sink thread 2.0 µs'
+    """
     shown = sorted(((us, kind) for kind, us in used.items() if us >= 0.05), reverse=True)
     return "CPU per event by thread: " + ", ".join(f"{kind} {us:.1f} µs" for us, kind in shown)
+
+
+#: the thread kinds that run the processors' own Python; every other thread of ``up``
+#: stores (the sink thread, which encodes rows and calls chdb, and chdb's own threads)
+PYTHON_KINDS = frozenset({"main thread", "other Python threads"})
+
+
+def cpu_budget(used: dict[str, float], broker_us: float, raw_rate: float,
+               cores: int) -> dict[str, float]:
+    """The ratio target as CPU per event: 1/3 of the raw consumer's rate on ``cores``
+    leaves ``budget_us`` for everything; storing (``store_us``) and the broker take
+    their share of it first, and ``left_for_processors_us`` is what remains for the
+    processors' Python, which spent ``processors_us``.
+
+    >>> budget = cpu_budget({"main thread": 15.0, "other Python threads": 1.0,
+    ...     "sink thread": 7.0, "MergeMutate": 5.0, "ThreadPool": 4.0}, 1.0, 300_000, 2)
+    >>> [budget[key] for key in ("budget_us", "store_us", "left_for_processors_us",
+    ...                          "processors_us")]
+    [20.0, 16.0, 3.0, 16.0]
+    """
+    budget = cores * 1e6 / max(raw_rate / 3, 1e-9)
+    store = sum(us for kind, us in used.items() if kind not in PYTHON_KINDS)
+    return {"budget_us": budget, "store_us": store, "broker_us": broker_us,
+            "left_for_processors_us": budget - store - broker_us,
+            "processors_us": sum(us for kind, us in used.items() if kind in PYTHON_KINDS)}
+
+
+def budget_note(budget: dict[str, float]) -> str:
+    """:func:`cpu_budget` in words.
+
+    >>> note = budget_note({'budget_us': 20.0, 'store_us': 16.0, 'broker_us': 1.0,
+    ...                     'left_for_processors_us': 3.0, 'processors_us': 16.0})
+    >>> note[note.index("which"):]
+    "which leaves 3.0 µs for the processors' Python; it spent 16.0 µs"
+    """
+    return (f"CPU budget at 1/3 of raw: {budget['budget_us']:.1f} µs per event; storing takes "
+            f"{budget['store_us']:.1f} µs (sink thread and chdb's threads) and the broker "
+            f"{budget['broker_us']:.1f} µs, which leaves "
+            f"{budget['left_for_processors_us']:.1f} µs for the processors' Python; "
+            f"it spent {budget['processors_us']:.1f} µs")
 
 
 @dataclass(frozen=True)
@@ -769,10 +819,15 @@ def run_bench(events: int, workers: int, query_events: int,
                                               partial(CpuSample.take, pid, broker.pid or 0))
                 opened, closed = measured["opened"], measured["closed"]
                 note(cpu_note(opened, closed, sent, measured["seconds"]))
-                note(threads_note(opened.threads, closed.threads, pid, sent))
+                by_kind = cpu_by_kind(opened.threads, closed.threads, pid, sent)
+                note(threads_note(by_kind))
                 used = closed.up[1] - opened.up[1] + closed.broker - opened.broker
                 note(ceiling_note(used * 1e6 / max(sent, 1),
                                   result["raw_consume_events_per_s"], os.cpu_count() or 1))
+                result["cpu_budget"] = cpu_budget(
+                    by_kind, (closed.broker - opened.broker) * 1e6 / max(sent, 1),
+                    result["raw_consume_events_per_s"], os.cpu_count() or 1)
+                note(budget_note(result["cpu_budget"]))
                 note(window_note("1 worker", measured, f"up pid {pid}"))
                 note("1 worker " + log_signals(data_one / "logs"))
                 result["pipeline_events_per_s"] = measured["rate"]

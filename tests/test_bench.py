@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import orjson
+import pytest
 import typer
 from typer.testing import CliRunner
 
@@ -47,6 +48,12 @@ def test_bench_smoke() -> None:
     assert isinstance(figures["workers"]["2"], float) and figures["workers"]["2"] > 0
     assert figures["machine"]["cores"] == os.cpu_count()
     assert figures["machine"]["cpu"] and figures["machine"]["python"] == platform.python_version()
+    budget = figures["cpu_budget"]
+    assert budget["budget_us"] == pytest.approx(
+        (os.cpu_count() or 1) * 1e6 / (figures["raw_consume_events_per_s"] / 3))
+    assert budget["left_for_processors_us"] == (
+        budget["budget_us"] - budget["store_us"] - budget["broker_us"])
+    assert budget["store_us"] > 0 and budget["processors_us"] > 0
 
 
 def test_fold_bench_smoke_stores_every_event_once() -> None:

@@ -117,7 +117,8 @@ def print_result(result: dict[str, Any]) -> None:
     table.add_column("value", justify="right")
     rows = [
         ("emitter (SDK, one process)", _fmt(result["emitter_events_per_s"], " ev/s")),
-        ("raw consumer (aiokafka + orjson)", _fmt(result["raw_consume_events_per_s"], " ev/s")),
+        ("raw consumer (aiokafka + orjson; mean of 2)",
+         _fmt(result["raw_consume_events_per_s"], " ev/s")),
         *((f"pipeline, {count} worker{'s' if count != '1' else ''}", _fmt(rate, " ev/s"))
           for count, rate in result["workers"].items()),
         ("pipeline (1 worker) / raw", _fmt(result["ratio"])),

@@ -10,7 +10,10 @@ to the baseline measured in the same run; the machine is shared):
   with ``Emitter.emit`` + ``flush``: first emit to last broker ack (generation excluded).
 * ``raw_consume_events_per_s``: aiokafka, no group, all partitions assigned, seek to
   beginning, ``orjson.loads`` of every message and its envelope: first fetched batch to
-  the N-th event.
+  the N-th event. Measured twice, right before and right after the 1-worker window
+  (``raw_consume_bracket``), and the figure is their mean: the machine's speed drifts
+  over the minutes of a run, and a baseline taken on one side only moved the ratio with
+  that drift.
 * ``pipeline_events_per_s``: a real ``loopwatch up`` child (fresh data dir) on the filled
   topic: from the first event consumed to the N-th stored (``count()``, then
   ``uniqExact(event_id)`` in ``events``, polled every 0.25 s; the window opens at the
@@ -97,7 +100,7 @@ FLEET: tuple[Agent, ...] = (
 KEYS = ("events", "pipeline_events_per_s", "raw_consume_events_per_s", "ratio",
         "emitter_events_per_s", "alert_latency_p50_s", "alert_latency_p95_s",
         "processor_peak_rss_mb", "memory_per_open_run_bytes", "stored_bytes_per_event",
-        "query_latency_s", "workers", "machine", "cpu_budget")
+        "query_latency_s", "workers", "machine", "cpu_budget", "raw_consume_bracket")
 POLL_S = 0.25
 #: batches of new open runs for the memory figure (the first pays one-time allocations)
 MEMORY_ROUNDS = 5
@@ -803,8 +806,8 @@ def run_bench(events: int, workers: int, query_events: int,
             del generated
             result["events"] = sent
             progress(f"emitter: {result['emitter_events_per_s']:.0f} events/s; raw consumer")
-            result["raw_consume_events_per_s"] = raw_consume(bootstrap, topic, sent)
-            progress(f"raw consumer: {result['raw_consume_events_per_s']:.0f} events/s")
+            raw_before = raw_consume(bootstrap, topic, sent)
+            progress(f"raw consumer: {raw_before:.0f} events/s")
 
             # -- one processor, on a store pre-filled for the queries
             data_one = root / "w1"
@@ -821,13 +824,6 @@ def run_bench(events: int, workers: int, query_events: int,
                 note(cpu_note(opened, closed, sent, measured["seconds"]))
                 by_kind = cpu_by_kind(opened.threads, closed.threads, pid, sent)
                 note(threads_note(by_kind))
-                used = closed.up[1] - opened.up[1] + closed.broker - opened.broker
-                note(ceiling_note(used * 1e6 / max(sent, 1),
-                                  result["raw_consume_events_per_s"], os.cpu_count() or 1))
-                result["cpu_budget"] = cpu_budget(
-                    by_kind, (closed.broker - opened.broker) * 1e6 / max(sent, 1),
-                    result["raw_consume_events_per_s"], os.cpu_count() or 1)
-                note(budget_note(result["cpu_budget"]))
                 note(window_note("1 worker", measured, f"up pid {pid}"))
                 note("1 worker " + log_signals(data_one / "logs"))
                 result["pipeline_events_per_s"] = measured["rate"]
@@ -840,7 +836,18 @@ def run_bench(events: int, workers: int, query_events: int,
                      + stored_bytes_breakdown(up, total))
                 progress("query latency")
                 result["query_latency_s"] = query_latencies(up)
-            result["ratio"] = result["pipeline_events_per_s"] / result["raw_consume_events_per_s"]
+            raw_after = raw_consume(bootstrap, topic, sent)
+            result["raw_consume_bracket"] = [raw_before, raw_after]
+            raw = result["raw_consume_events_per_s"] = (raw_before + raw_after) / 2
+            note(f"raw consumer: {raw_before / 1e3:.1f}k events/s before the 1-worker run, "
+                 f"{raw_after / 1e3:.1f}k after it; the baseline is their mean")
+            result["ratio"] = result["pipeline_events_per_s"] / raw
+            cores = os.cpu_count() or 1
+            used = closed.up[1] - opened.up[1] + closed.broker - opened.broker
+            note(ceiling_note(used * 1e6 / max(sent, 1), raw, cores))
+            result["cpu_budget"] = cpu_budget(
+                by_kind, (closed.broker - opened.broker) * 1e6 / max(sent, 1), raw, cores)
+            note(budget_note(result["cpu_budget"]))
 
             # -- two processors: a store filled as the first one's (merges with what a store
             # holds cost ClickHouse about twice as much), a group and a topic of their own;

@@ -48,6 +48,8 @@ def test_bench_smoke() -> None:
     assert isinstance(figures["workers"]["2"], float) and figures["workers"]["2"] > 0
     assert figures["machine"]["cores"] == os.cpu_count()
     assert figures["machine"]["cpu"] and figures["machine"]["python"] == platform.python_version()
+    before, after = figures["raw_consume_bracket"]
+    assert figures["raw_consume_events_per_s"] == (before + after) / 2
     budget = figures["cpu_budget"]
     assert budget["budget_us"] == pytest.approx(
         (os.cpu_count() or 1) * 1e6 / (figures["raw_consume_events_per_s"] / 3))

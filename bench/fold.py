@@ -2,12 +2,11 @@
 full bench's minutes: what one event costs the pipeline itself.
 
 ``python -m bench.fold [--events N] [--no-write] [--json]`` generates the bench's
-event mix, packs it into envelopes as the SDK does (up to ``ENVELOPE_EVENTS`` events of
-one partition), folds the messages in the processor's chunks
-(:func:`processors.app.chunks`) and, unless ``--no-write``, inserts each chunk's rows
-into a fresh chdb store in a temporary folder on the calling thread, as the processor's
-sink thread does. It prints the CPU per event of the fold, of the inserts' calling
-thread, of the whole process, and by thread.
+event mix, packs it into messages as the SDK's ``Emitter`` does, folds the messages in
+the processor's chunks (:func:`processors.app.chunks`) and, unless ``--no-write``,
+inserts each chunk's rows into a fresh chdb store in a temporary folder on the calling
+thread, as the processor's sink thread does. It prints the CPU per event of the fold,
+of the inserts' calling thread, of the whole process, and by thread.
 
 Each chunk is settled on its own (the processor settles once per batch of several
 chunks), so ``runs`` rows are written a little more often than in ``loopwatch up``.
@@ -29,8 +28,8 @@ import orjson
 
 from bench.pipeline import cpu_by_kind, generate_events, thread_cpu, threads_note
 from ingest.events import EventBase
-from ingest.sdk import partition_for
-from ingest.wire import encode_envelope
+from ingest.sdk import MAX_BATCH, MAX_MESSAGE_BYTES, partition_for
+from ingest.wire import envelope_chunks, message_value
 from loopwatch.config import Settings
 from loopwatch.reprocess import MemoryRunStore
 from loopwatch.store.clickhouse import migrate
@@ -39,13 +38,12 @@ from processors.pipeline import Pipeline, RawMessage
 from processors.runs import RunState
 from processors.sink import ClickHouseSink
 
-#: events per envelope: the SDK's ``Emitter`` default ``max_batch``
-ENVELOPE_EVENTS = 500
-
 
 def envelopes(events: list[EventBase], partitions: int, topic: str) -> list[RawMessage]:
-    """The events as the processor would consume them: per partition (of ``run_id``, as
-    the SDK chooses it), envelopes of up to :data:`ENVELOPE_EVENTS` events in emit
+    """The events as the processor would consume them: each encoded as the SDK's
+    ``Emitter.emit`` does, grouped per partition (of ``run_id``, as the SDK chooses it)
+    into the messages the ``Emitter`` sends with its defaults
+    (:func:`ingest.wire.envelope_chunks`, :func:`ingest.wire.message_value`), in emit
     order, the partitions taken in turn.
 
     >>> from ingest.events import Step
@@ -54,18 +52,18 @@ def envelopes(events: list[EventBase], partitions: int, topic: str) -> list[RawM
     ...  for m in envelopes(steps, 2, "t")]
     [(0, 0, 500), (1, 0, 500), (0, 1, 93), (1, 1, 107)]
     """
-    by_partition: dict[int, list[EventBase]] = defaultdict(list)
+    by_partition: dict[int, list[bytes]] = defaultdict(list)
     for event in events:
-        by_partition[partition_for(event.run_id, partitions)].append(event)
-    queues = {partition: [group[start:start + ENVELOPE_EVENTS]
-                          for start in range(0, len(group), ENVELOPE_EVENTS)]
-              for partition, group in sorted(by_partition.items())}
+        by_partition[partition_for(event.run_id, partitions)].append(
+            event.__pydantic_serializer__.to_json(event, exclude_none=True))
+    queues = {partition: [message_value(chunk) for chunk in envelope_chunks(
+                  lines, MAX_BATCH, MAX_MESSAGE_BYTES)]
+              for partition, lines in sorted(by_partition.items())}
     messages: list[RawMessage] = []
     for round_ in range(max((len(queue) for queue in queues.values()), default=0)):
         for partition, queue in queues.items():
             if round_ < len(queue):
-                messages.append(RawMessage(topic, partition, round_,
-                                           encode_envelope(queue[round_])))
+                messages.append(RawMessage(topic, partition, round_, queue[round_]))
     return messages
 
 

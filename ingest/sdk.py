@@ -64,10 +64,13 @@ from ingest.events import (
 from ingest.handoff import Handoff
 from ingest.redact import Redactor
 from ingest.spool import DiskSpool
-from ingest.wire import ENVELOPE_VERSION, exact_json
+from ingest.wire import envelope_chunks, exact_json, message_value
 
 #: ``{"envelope_version":1,"events":[...]}`` around a message's events
 ENVELOPE_OVERHEAD_BYTES = 64
+#: the Emitter's defaults: events per message (one envelope), and bytes per message
+MAX_BATCH = 500
+MAX_MESSAGE_BYTES = 900_000
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -183,9 +186,9 @@ class Emitter:
         spool_dir: Path | None = None,
         *,
         spool_max_bytes: int = 256 * 1024 * 1024,
-        max_batch: int = 500,
+        max_batch: int = MAX_BATCH,
         linger_s: float = 0.02,
-        max_message_bytes: int = 900_000,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
         producer_config: dict[str, Any] | None = None,
         capture: str = "failures",
         redactor: Redact | None = None,
@@ -335,11 +338,9 @@ class Emitter:
         futures = []
         for partition, group in groups.items():
             for chunk in self._chunks(group):
-                value = chunk[0] if len(chunk) == 1 else (
-                    b'{"envelope_version":' + str(ENVELOPE_VERSION).encode()
-                    + b',"events":[' + b",".join(chunk) + b"]}")
                 futures.append((len(chunk), producer.send(
-                    self.topic, value=value, key=keys[partition], partition=partition)))
+                    self.topic, value=message_value(chunk), key=keys[partition],
+                    partition=partition)))
         if captures:
             capture_partitions = producer.partitions_for(self.captures_topic)
             if not capture_partitions:
@@ -545,29 +546,12 @@ class Emitter:
                 self._send_message(partition, chunk, keys[partition])
 
     def _chunks(self, group: list[bytes]) -> Iterator[list[bytes]]:
-        """One partition's events as envelopes of at most ``max_batch`` events and
-        ``max_message_bytes``."""
-        chunk: list[bytes] = []
-        size = 0
-        for line in group:
-            if chunk and (size + len(line) > self._max_message_bytes
-                          or len(chunk) >= self._max_batch):
-                yield chunk
-                chunk, size = [], 0
-            chunk.append(line)
-            size += len(line) + 1
-        if chunk:
-            yield chunk
+        return envelope_chunks(group, self._max_batch, self._max_message_bytes)
 
     def _send_message(self, partition: int, chunk: list[bytes], key: str) -> None:
         assert self._producer is not None
-        if len(chunk) == 1:
-            value = chunk[0]
-        else:
-            value = (b'{"envelope_version":' + str(ENVELOPE_VERSION).encode()
-                     + b',"events":[' + b",".join(chunk) + b"]}")
         try:
-            future = self._producer.send(self.topic, value=value, key=key.encode(),
+            future = self._producer.send(self.topic, value=message_value(chunk), key=key.encode(),
                                          partition=partition)
         except KafkaError as exc:
             self.stats.send_errors += 1

@@ -22,6 +22,7 @@ original per-event route decides and words every dead letter exactly as before.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +93,45 @@ def exact_json(value: Any) -> bytes:
 
 def encode_event(event: EventBase) -> bytes:
     return exact_json(event.model_dump(mode="json", exclude_none=True))
+
+
+def message_value(lines: list[bytes]) -> bytes:
+    """The Kafka message for encoded events of one partition (see :func:`envelope_chunks`):
+    the event itself when alone, else an envelope of them, as :func:`decode_message`
+    reads either.
+
+    >>> message_value([b'{"a":1}'])
+    b'{"a":1}'
+    >>> message_value([b'{"a":1}', b'{"b":2}'])
+    b'{"envelope_version":1,"events":[{"a":1},{"b":2}]}'
+    """
+    if len(lines) == 1:
+        return lines[0]
+    return (b'{"envelope_version":' + str(ENVELOPE_VERSION).encode()
+            + b',"events":[' + b",".join(lines) + b"]}")
+
+
+def envelope_chunks(lines: Iterable[bytes], max_events: int,
+                    max_bytes: int) -> Iterator[list[bytes]]:
+    """One partition's encoded events, in order, as the chunks that each become one
+    message: at most ``max_events`` events, and no more than ``max_bytes`` of them
+    unless a single event is that large.
+
+    >>> [len(chunk) for chunk in envelope_chunks([b"x" * 10] * 7, 3, 1000)]
+    [3, 3, 1]
+    >>> [len(chunk) for chunk in envelope_chunks([b"x" * 10] * 4, 10, 25)]
+    [2, 2]
+    """
+    chunk: list[bytes] = []
+    size = 0
+    for line in lines:
+        if chunk and (size + len(line) > max_bytes or len(chunk) >= max_events):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(line)
+        size += len(line) + 1
+    if chunk:
+        yield chunk
 
 
 def encode_envelope(events: list[EventBase]) -> bytes:

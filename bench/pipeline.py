@@ -10,8 +10,8 @@ to the baseline measured in the same run; the machine is shared):
   with ``Emitter.emit`` + ``flush``: first emit to last broker ack (generation excluded).
 * ``raw_consume_events_per_s``: aiokafka, no group, all partitions assigned, seek to
   beginning, ``orjson.loads`` of every message and its envelope: first fetched batch to
-  the N-th event. Measured twice, right before and right after the 1-worker window
-  (``raw_consume_bracket``), and the figure is their mean: the machine's speed drifts
+  the N-th event. Measured twice, before the 1-worker run and after it (once its ``up``
+  has stopped; ``raw_consume_bracket``), and the figure is their mean: the machine's speed drifts
   over the minutes of a run, and a baseline taken on one side only moved the ratio with
   that drift.
 * ``pipeline_events_per_s``: a real ``loopwatch up`` child (fresh data dir) on the filled

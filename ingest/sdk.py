@@ -64,10 +64,8 @@ from ingest.events import (
 from ingest.handoff import Handoff
 from ingest.redact import Redactor
 from ingest.spool import DiskSpool
-from ingest.wire import envelope_chunks, exact_json, message_value
+from ingest.wire import ENVELOPE_OVERHEAD_BYTES, envelope_chunks, exact_json, message_value
 
-#: ``{"envelope_version":1,"events":[...]}`` around a message's events
-ENVELOPE_OVERHEAD_BYTES = 64
 #: the Emitter's defaults: events per message (one envelope), and bytes per message
 MAX_BATCH = 500
 MAX_MESSAGE_BYTES = 900_000

@@ -95,6 +95,10 @@ def encode_event(event: EventBase) -> bytes:
     return exact_json(event.model_dump(mode="json", exclude_none=True))
 
 
+#: what :func:`message_value` wraps around a message's events, at most
+ENVELOPE_OVERHEAD_BYTES = 64
+
+
 def message_value(lines: list[bytes]) -> bytes:
     """The Kafka message for encoded events of one partition (see :func:`envelope_chunks`):
     the event itself when alone, else an envelope of them, as :func:`decode_message`
@@ -104,6 +108,8 @@ def message_value(lines: list[bytes]) -> bytes:
     b'{"a":1}'
     >>> message_value([b'{"a":1}', b'{"b":2}'])
     b'{"envelope_version":1,"events":[{"a":1},{"b":2}]}'
+    >>> len(message_value([b"", b""])) <= ENVELOPE_OVERHEAD_BYTES
+    True
     """
     if len(lines) == 1:
         return lines[0]

@@ -6,7 +6,7 @@ import math
 from datetime import datetime
 
 from detectors.anomaly.base import surprise_from_log10
-from detectors.anomaly.rolling import MEAN_AD_TO_SIGMA, TINY_SCALE
+from detectors.anomaly.rolling import SlowBaseline
 
 
 class Cusum:
@@ -45,21 +45,16 @@ class Cusum:
         self.name = "cusum"
         self.k = k
         self.reset_at = reset_at
-        self.alpha = alpha
         self.clip = clip
         self.min_samples = min_samples
         self._n = 0
-        self._baseline = 0.0
-        self._abs_dev = 0.0
+        self._baseline = SlowBaseline(alpha, clip)
         self._recent = 0.0
         self._pos = 0.0
         self._neg = 0.0
 
-    def _sigma(self) -> float:
-        return max(MEAN_AD_TO_SIGMA * self._abs_dev, TINY_SCALE * (1.0 + abs(self._baseline)))
-
     def _z(self, x: float) -> float:
-        z = (x - self._baseline) / self._sigma()
+        z = (x - self._baseline.mean) / self._baseline.sigma()
         return min(max(z, -self.clip), self.clip)
 
     def _sums(self, x: float) -> tuple[float, float]:
@@ -79,18 +74,13 @@ class Cusum:
     def learn_one(self, x: float, t: datetime | None = None) -> None:
         self._n += 1
         if self._n == 1:
-            self._baseline = self._recent = x
+            self._baseline.learn(x, 1, warm=False)
+            self._recent = x
             return
         if self._n > self.min_samples:
             self._pos, self._neg = self._sums(x)
             if max(self._pos, self._neg) >= self.reset_at:
                 self._pos = self._neg = 0.0
-                self._baseline = self._recent
-        alpha = max(self.alpha, 1.0 / self._n)
-        limit = self.clip * self._sigma()
-        clipped = min(max(x, self._baseline - limit), self._baseline + limit)
-        if self._n <= self.min_samples:
-            clipped = x
-        self._abs_dev += alpha * (abs(clipped - self._baseline) - self._abs_dev)
-        self._baseline += alpha * (clipped - self._baseline)
+                self._baseline.mean = self._recent
+        self._baseline.learn(x, self._n, warm=self._n > self.min_samples)
         self._recent += 0.1 * (x - self._recent)

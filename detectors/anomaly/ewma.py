@@ -6,7 +6,7 @@ import math
 from datetime import datetime
 
 from detectors.anomaly.base import normal_surprise
-from detectors.anomaly.rolling import MEAN_AD_TO_SIGMA, TINY_SCALE
+from detectors.anomaly.rolling import SlowBaseline
 
 
 class EWMALevelShift:
@@ -47,41 +47,23 @@ class EWMALevelShift:
             raise ValueError("need 0 < lam <= 1 and 0 < alpha < 1")
         self.name = "ewma"
         self.lam = lam
-        self.alpha = alpha
-        self.clip = clip
         self.min_samples = min_samples
         self._n = 0
-        self._baseline = 0.0
-        self._abs_dev = 0.0
+        self._baseline = SlowBaseline(alpha, clip)
         self._fast = 0.0
         self._chart_sd = math.sqrt(lam / (2.0 - lam))
-
-    def _sigma(self) -> float:
-        return max(MEAN_AD_TO_SIGMA * self._abs_dev, TINY_SCALE * (1.0 + abs(self._baseline)))
-
-    def _clipped(self, x: float) -> float:
-        limit = self.clip * self._sigma()
-        return min(max(x, self._baseline - limit), self._baseline + limit)
 
     def statistic(self, x: float) -> float:
         """The chart statistic after ``x`` (0 while warming up)."""
         if self._n < self.min_samples:
             return 0.0
-        fast = self.lam * self._clipped(x) + (1.0 - self.lam) * self._fast
-        return (fast - self._baseline) / (self._sigma() * self._chart_sd)
+        fast = self.lam * self._baseline.clipped(x) + (1.0 - self.lam) * self._fast
+        return (fast - self._baseline.mean) / (self._baseline.sigma() * self._chart_sd)
 
     def score_one(self, x: float, t: datetime | None = None) -> float:
         return normal_surprise(self.statistic(x))
 
     def learn_one(self, x: float, t: datetime | None = None) -> None:
         self._n += 1
-        if self._n == 1:
-            self._baseline = self._fast = x
-            return
-        # Plain running averages while warming up, exponential forgetting after.
-        alpha = max(self.alpha, 1.0 / self._n)
-        clipped = self._clipped(x) if self._n > self.min_samples else x
-        self._fast = self.lam * clipped + (1.0 - self.lam) * self._fast
-        deviation = abs(clipped - self._baseline)
-        self._baseline += alpha * (clipped - self._baseline)
-        self._abs_dev += alpha * (deviation - self._abs_dev)
+        taken = self._baseline.learn(x, self._n, warm=self._n > self.min_samples)
+        self._fast = x if self._n == 1 else self.lam * taken + (1.0 - self.lam) * self._fast

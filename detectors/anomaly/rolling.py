@@ -23,6 +23,50 @@ TINY_SCALE = 1e-9
 FloatArray = npt.NDArray[np.float64]
 
 
+class SlowBaseline:
+    """A level and a scale (sigma from the mean absolute deviation) that follow a series
+    slowly, for control charts that test new points against them: plain running
+    averages while warming up (``alpha`` at least ``1/n``), exponential forgetting
+    after, and once warm each point winsorised at ``clip`` sigmas first, so that a lone
+    spike moves neither by much and a lasting change is taken in over ~``1/alpha``
+    points.
+
+    >>> base = SlowBaseline(alpha=0.01, clip=4.0)
+    >>> for n, x in enumerate([10.0, 12.0, 8.0, 10.0], start=1):
+    ...     _ = base.learn(x, n, warm=False)
+    >>> base.mean, round(base.sigma(), 3)
+    (10.0, 1.567)
+    >>> base.clipped(1000.0) == base.mean + 4.0 * base.sigma()
+    True
+    """
+
+    def __init__(self, alpha: float, clip: float) -> None:
+        self.alpha = alpha
+        self.clip = clip
+        self.mean = 0.0
+        self.abs_dev = 0.0
+
+    def sigma(self) -> float:
+        """Never 0: a flat series gets a tiny scale relative to its level."""
+        return max(MEAN_AD_TO_SIGMA * self.abs_dev, TINY_SCALE * (1.0 + abs(self.mean)))
+
+    def clipped(self, x: float) -> float:
+        limit = self.clip * self.sigma()
+        return min(max(x, self.mean - limit), self.mean + limit)
+
+    def learn(self, x: float, n: int, warm: bool) -> float:
+        """Take the ``n``-th point (the first sets the level); returns the point as it
+        was taken (winsorised once ``warm``)."""
+        if n == 1:
+            self.mean = x
+            return x
+        alpha = max(self.alpha, 1.0 / n)
+        taken = self.clipped(x) if warm else x
+        self.abs_dev += alpha * (abs(taken - self.mean) - self.abs_dev)
+        self.mean += alpha * (taken - self.mean)
+        return taken
+
+
 def robust_scale(values: FloatArray, center: float) -> float:
     """Sigma from the MAD; from the mean absolute deviation when over half the values tie.
 

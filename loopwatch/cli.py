@@ -394,15 +394,14 @@ def reprocess(
 ) -> None:
     """Recompute derived tables from stored raw events (after a price or config change)."""
     from loopwatch.reprocess import reprocess_since
+    from loopwatch.store.clickhouse import read_time
 
     settings = settings_from(data_dir)
     try:
-        moment = datetime.fromisoformat(since)
+        moment = read_time(since)  # a time without a zone is UTC, as the store keeps it
     except ValueError:
         console.print(f"[red]--since must be an ISO time, e.g. 2026-11-29T10:00 (got {since!r})")
         raise typer.Exit(2) from None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=UTC)
     summary = reprocess_since(settings, moment)
     console.print(f"reprocessed {summary['events']} events of {summary['runs']} runs")
     if summary.get("skipped"):

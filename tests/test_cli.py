@@ -87,6 +87,13 @@ def test_reprocess_through_the_service_is_idempotent(pipeline, reader):
     assert [r[2] for r in after] == pytest.approx([r[2] for r in before])
 
 
+def test_reprocess_refuses_a_since_that_is_not_an_iso_time(tmp_path: Path):
+    result = loopwatch("reprocess", "--since", "yesterday", "--data-dir", str(tmp_path))
+    assert result.returncode == 2
+    assert "--since must be an ISO time, e.g. 2026-11-29T10:00 (got 'yesterday')" in (
+        result.stdout + result.stderr)
+
+
 def test_demo_reports_every_outcome_exactly_as_the_fleet_planned_it(tmp_path: Path):
     result = loopwatch("demo", "--duration", "20", "--rate", "6", "--seed", "11", "--json",
                        "--data-dir", str(tmp_path), timeout=400)

@@ -11,9 +11,9 @@ to the baseline measured in the same run; the machine is shared):
 * ``raw_consume_events_per_s``: aiokafka, no group, all partitions assigned, seek to
   beginning, ``orjson.loads`` of every message and its envelope: first fetched batch to
   the N-th event. Measured twice, before the 1-worker run and after it (once its ``up``
-  has stopped; ``raw_consume_bracket``), and the figure is their mean: the machine's speed drifts
-  over the minutes of a run, and a baseline taken on one side only moved the ratio with
-  that drift.
+  has stopped; ``raw_consume_bracket``), and the figure is their mean: the machine's
+  speed drifts over the minutes of a run, and a baseline taken on one side only moved
+  the ratio with that drift.
 * ``pipeline_events_per_s``: a real ``loopwatch up`` child (fresh data dir) on the filled
   topic: from the first event consumed to the N-th stored (``count()``, then
   ``uniqExact(event_id)`` in ``events``, polled every 0.25 s; the window opens at the
@@ -843,10 +843,11 @@ def run_bench(events: int, workers: int, query_events: int,
                  f"{raw_after / 1e3:.1f}k after it; the baseline is their mean")
             result["ratio"] = result["pipeline_events_per_s"] / raw
             cores = os.cpu_count() or 1
-            used = closed.up[1] - opened.up[1] + closed.broker - opened.broker
-            note(ceiling_note(used * 1e6 / max(sent, 1), raw, cores))
-            result["cpu_budget"] = cpu_budget(
-                by_kind, (closed.broker - opened.broker) * 1e6 / max(sent, 1), raw, cores)
+            per_event = 1e6 / max(sent, 1)
+            broker_us = (closed.broker - opened.broker) * per_event
+            note(ceiling_note((closed.up[1] - opened.up[1]) * per_event + broker_us, raw,
+                              cores))
+            result["cpu_budget"] = cpu_budget(by_kind, broker_us, raw, cores)
             note(budget_note(result["cpu_budget"]))
 
             # -- two processors: a store filled as the first one's (merges with what a store

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -75,16 +76,35 @@ def test_schema_command_prints_the_checked_in_schema():
     assert result.stdout.encode() == checked_in()
 
 
-def test_reprocess_through_the_service_is_idempotent(pipeline, reader):
-    before = reader.query("SELECT run_id, outcome, cost_usd, version FROM runs FINAL "
-                          "WHERE status = 'closed' ORDER BY run_id").rows
+def test_reprocess_through_the_service_is_idempotent(pipeline, reader, emitter, agent):
+    """An abandoned run is reprocessed as abandoned, and nothing closed changes.
+
+    The session's pipeline is shared: an open run left by an earlier test may be
+    abandoned by the sweep while this test runs. Such a run is counted by the reprocess
+    only if it closed before the reprocess read the closed runs, and it is compared by
+    nothing: idempotency is about the runs that were closed before."""
+    from ingest.sdk import RunContext
+    from tests.conftest import scalar, wait_for
+
+    left_open = RunContext(emitter, f"{agent}-left", {"agent": agent, "model": "gpt-4o"})
+    left_open.start()
+    left_open.step()
+    assert emitter.flush(30)
+    wait_for(lambda: scalar(reader, "SELECT outcome FROM runs FINAL WHERE run_id = {r:String}",
+                            r=left_open.run_id) == "abandoned", 60, what="the run abandoned")
+    closed_runs = ("SELECT run_id, outcome, cost_usd, version FROM runs FINAL "
+                   "WHERE status = 'closed' ORDER BY run_id")
+    before = reader.query(closed_runs).rows
     result = loopwatch("reprocess", "--since", "2000-01-01", env=pipeline.env)
     assert result.returncode == 0, result.stderr
-    assert f"of {len(before)} runs" in result.stderr
-    after = reader.query("SELECT run_id, outcome, cost_usd, version FROM runs FINAL "
-                         "WHERE status = 'closed' ORDER BY run_id").rows
+    after = reader.query(closed_runs).rows
+    reprocessed = int(re.search(r"of (\d+) runs", result.stderr)[1])  # type: ignore[index]
+    assert len(before) <= reprocessed <= len(after)
+    kept = {row[0] for row in before}
+    after = [row for row in after if row[0] in kept]
     assert [r[:2] for r in after] == [r[:2] for r in before]
     assert [r[2] for r in after] == pytest.approx([r[2] for r in before])
+    assert [left_open.run_id, "abandoned"] in [r[:2] for r in after]
 
 
 def test_reprocess_refuses_a_since_that_is_not_an_iso_time(tmp_path: Path):

@@ -34,6 +34,7 @@ from dashboards.panels import (
 )
 from loopwatch.replay.economics import Rates, agent_economics
 from loopwatch.replay.recording import RunNotFound, load_recording
+from loopwatch.store.clickhouse import read_time
 from loopwatch.store.reader import QueryError, Reader
 
 MAX_VALUE_LENGTH: Final = 256
@@ -64,22 +65,24 @@ def relative_seconds(text: str) -> int:
 
 
 def as_datetime(value: Any) -> datetime | None:
-    """A ClickHouse time as an aware UTC datetime (clients return naive UTC or ISO text).
+    """A ClickHouse time as an aware UTC datetime: what :func:`read_time` reads, and
+    also dates (``toDate`` / ``toStartOfDay`` columns) and epoch seconds, which panels
+    return too.
 
-    >>> as_datetime("2026-11-29T10:00:00")
-    datetime.datetime(2026, 11, 29, 10, 0, tzinfo=datetime.timezone.utc)
+    >>> as_datetime("2026-11-29T10:00:00"), as_datetime(date(2026, 11, 29)).hour
+    (datetime.datetime(2026, 11, 29, 10, 0, tzinfo=datetime.timezone.utc), 0)
+    >>> as_datetime("2026-11-29 11:00:00+01:00") == as_datetime(1795946400)
+    True
     """
-    if value is None:
-        return None
-    if isinstance(value, datetime):
-        moment = value
+    if value is None or isinstance(value, datetime):
+        moment = read_time(value)
     elif isinstance(value, date):
-        moment = datetime(value.year, value.month, value.day)
+        moment = datetime(value.year, value.month, value.day, tzinfo=UTC)
     elif isinstance(value, int | float):
         return datetime.fromtimestamp(float(value), tz=UTC)
     else:
-        moment = datetime.fromisoformat(str(value).replace(" ", "T").replace("Z", "+00:00"))
-    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+        moment = read_time(str(value))
+    return None if moment is None else moment.astimezone(UTC)
 
 
 def _epoch(value: Any) -> float | None:

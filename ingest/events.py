@@ -245,6 +245,12 @@ class LlmCall(EventBase):
             0, self.input_tokens - self.cache_read_input_tokens - self.cache_creation_input_tokens
         )
 
+    @property
+    def is_error(self) -> bool:
+        """A failed call. A 429 is not one: rate limits are counted apart and must not
+        feed error rates or breakers (D3)."""
+        return self.error_type is not None and self.http_status != 429
+
 
 class ToolCall(EventBase):
     event_type: Literal["tool.call"] = "tool.call"
@@ -262,6 +268,16 @@ class ToolCall(EventBase):
     result_count: int | None = Field(None, ge=0, le=U32_MAX)
     result_size_bytes: int | None = Field(None, ge=0, le=I64_MAX)
     attempt: int = Field(1, ge=1, le=U16_MAX)
+
+    @property
+    def is_error(self) -> bool:
+        """Failed or timed out. A 429 alone is not a failure (D3), as for model calls.
+
+        >>> ToolCall(run_id="r", agent="a", tool="t", http_status=429,
+        ...          error_type="rate_limited").is_error
+        False
+        """
+        return self.timed_out or (self.error_type is not None and self.http_status != 429)
 
 
 class RunEnd(EventBase):

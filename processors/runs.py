@@ -318,7 +318,7 @@ def apply_event(
         state.steps += 1
     elif isinstance(event, LlmCall):
         state.llm_calls += 1
-        state.llm_errors += int(event.error_type is not None and event.http_status != 429)
+        state.llm_errors += int(event.is_error)
         state.input_tokens += event.input_tokens
         state.output_tokens += event.output_tokens
         state.cache_read_tokens += event.cache_read_input_tokens
@@ -327,7 +327,7 @@ def apply_event(
         state.reported_cost_usd += event.cost_usd or 0.0
     elif isinstance(event, ToolCall):
         state.tool_calls += 1
-        state.tool_errors += int(event.error_type is not None or event.timed_out)
+        state.tool_errors += int(event.is_error)
         _detect_loop(state, f"{event.tool}:{event.args_hash}", loop_window, loop_repeats)
     elif isinstance(event, RunEnd):
         state.end_ms = when

@@ -174,6 +174,31 @@ def test_rate_limits_are_counted_apart_from_errors(fleet, local_store):
     assert not finding(detector, "llm_error_rate_warning", bad).active
 
 
+def test_rate_limited_tool_calls_are_not_tool_errors(fleet, local_store):
+    """D3: a 429 is the upstream asking for patience, not a failure; it must not feed the
+    tool error rate (nor the run's tool_errors), while a timeout and a 5xx do."""
+    bad, _ = agents()
+    run_id = f"r-{bad}"
+    calls = [{"http_status": 429, "error_type": "rate_limited"}] * 6 + [
+        {"timed_out": True, "timeout_ms": 1000.0}, {"http_status": 503, "error_type": "http_5xx"},
+        {"http_status": 429, "error_type": "rate_limited", "timed_out": True,
+         "timeout_ms": 1000.0}, {}]
+    for index, fields in enumerate(calls):
+        fleet.add(ToolCall(ts=NOW - timedelta(minutes=2, seconds=-index), run_id=run_id,
+                           agent=bad, tool="search", args_hash=str(index), **fields))
+    fleet.flush()
+    _, client = local_store
+    assert run_query(client, "SELECT groupArray(is_error) FROM (SELECT is_error FROM tool_calls "
+                             "FINAL WHERE run_id = {r:String} ORDER BY ts)", {"r": run_id}
+                     ).scalar() == [0, 0, 0, 0, 0, 0, 1, 1, 1, 0]
+    assert run_query(client, "SELECT tool_calls, tool_errors FROM runs FINAL "
+                             "WHERE run_id = {r:String}", {"r": run_id}).rows == [[10, 3]]
+    detector = engine(local_store)
+    detector.evaluate(event_now=NOW)
+    assert finding(detector, "tool_error_rate", bad).value == pytest.approx(0.3)
+    assert not finding(detector, "tool_error_rate", bad).active
+
+
 def test_retry_storm_on_a_permanent_400(fleet, local_store):
     bad, good = agents()
     for _ in range(10):

@@ -49,7 +49,8 @@ OUTCOMES: tuple[str, ...] = (
 )
 SILENT_FAILURES: tuple[str, ...] = ("budget_exhausted", "gave_up", "looped", "wrong")
 TerminalReason = Literal[
-    "model_done", "cannot_complete", "cap", "loop_detector", "drift_monitor", "cancelled", "crash"
+    "model_done", "cannot_complete", "cap", "budget", "loop_detector", "drift_monitor",
+    "cancelled", "crash",
 ]
 Cap = Literal["step", "token", "time", "cost", "retry"]
 

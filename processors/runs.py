@@ -14,9 +14,9 @@ Outcome precedence, from the agent's terminal reason, the loop detector and labe
 
 - no ``run.end`` within the TTL: ``abandoned`` (a later ``run.end`` revises it);
 - ``crash``: ``hard_error``; ``loop_detector``/``drift_monitor`` or the loop detector
-  tripped: ``looped``; ``cap``: ``budget_exhausted``; ``cannot_complete``: ``gave_up``;
-  ``model_done``: ``success``; ``cancelled``: ``abandoned`` (nobody was there to receive it);
-  no reason at all (an import without verdict): ``unknown``;
+  tripped: ``looped``; ``cap`` or ``budget``: ``budget_exhausted``; ``cannot_complete``:
+  ``gave_up``; ``model_done``: ``success``; ``cancelled``: ``abandoned`` (nobody was there
+  to receive it); no reason at all (an import without verdict): ``unknown``;
 - a ``wrong`` label turns ``success``/``unknown`` into ``wrong``; a ``correct`` label
   turns ``unknown`` into ``success``. Other failures keep their more specific outcome.
 """
@@ -43,6 +43,7 @@ _REASON_OUTCOME = {
     "loop_detector": "looped",
     "drift_monitor": "looped",
     "cap": "budget_exhausted",
+    "budget": "budget_exhausted",
     "cannot_complete": "gave_up",
     "model_done": "success",
     "cancelled": "abandoned",

@@ -29,6 +29,8 @@ def ev(kind: type[EventBase], seconds: float = 0, **fields) -> EventBase:
         ("model_done", None, "success"),
         ("crash", None, "hard_error"),
         ("cap", "step", "budget_exhausted"),
+        ("budget", "cost", "budget_exhausted"),
+        ("budget", None, "budget_exhausted"),
         ("cannot_complete", None, "gave_up"),
         ("loop_detector", None, "looped"),
         ("drift_monitor", None, "looped"),

@@ -28,6 +28,7 @@ from detectors.alerts import (
 )
 from detectors.outbox import Outbox
 from detectors.rules import Finding, Rule, SeriesState, evaluate, load_rules
+from ingest.events import TEST_TRAFFIC_SLICES
 from loopwatch.store.clickhouse import QueryResult, read_time
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,8 @@ class Policy:
     link_base_url: str = ""
     #: event times further ahead of the wall clock are not event time (as in the pipeline)
     max_clock_skew: timedelta = timedelta(minutes=5)
+    #: traffic slices the rules leave out (``{excluded_slices}`` in their SQL)
+    excluded_slices: tuple[str, ...] = TEST_TRAFFIC_SLICES
 
     def silenced(self, alert: Alert, now: datetime) -> bool:
         for silence in self.silences:
@@ -166,7 +169,7 @@ class DetectorEngine:
     def _findings(self, rule: Rule, now: datetime, wall_now: datetime) -> list[Finding]:
         parameters = {"now": now, "start": now - rule.window,
                       "baseline_start": now - max(rule.baseline, rule.window),
-                      "wall_now": wall_now}
+                      "wall_now": wall_now, "excluded_slices": list(self.policy.excluded_slices)}
         rows = self.query(rule.sql, parameters).records()
         series = self._series.setdefault(rule.name, {})
         return evaluate(rule, rows, self.policy.daily_budget_usd, series)

@@ -28,6 +28,8 @@ from scipy.stats import binom
 Severity = Literal["critical", "warning", "info"]
 FindingState = Literal["active", "inactive", "too_few_samples", "waiting_for_history"]
 SEVERITIES: tuple[str, ...] = ("critical", "warning", "info")
+#: the query parameter holding the slices left out (the engine's ``excluded_slices``)
+EXCLUDED_SLICES_PARAMETER = "{excluded_slices:Array(String)}"
 OPS: dict[str, Callable[[float, float], bool]] = {
     ">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le,
 }
@@ -83,6 +85,9 @@ class Rule:
     clock: Literal["event", "wall"] = "event"
     budget: str | None = None
     severity_from_tool_criticality: bool = False
+    #: the pipeline's own health reads all traffic; every other rule leaves test traffic
+    #: out (:data:`EXCLUDED_SLICES_PARAMETER` in its SQL)
+    all_traffic: bool = False
     overrides: tuple[Override, ...] = ()
 
     def for_labels(self, labels: Mapping[str, str]) -> Rule:
@@ -167,6 +172,9 @@ def _rule(raw: dict[str, Any]) -> Rule:
             raise ValueError(f"rule {name}: unknown detector {rule.detector!r}")
     elif rule.kind == "threshold" and (rule.threshold is None) == (rule.factor is None):
         raise ValueError(f"rule {name}: give exactly one of threshold or factor")
+    if not rule.all_traffic and EXCLUDED_SLICES_PARAMETER not in rule.sql:
+        raise ValueError(f"rule {name}: leave test traffic out with 'traffic_slice NOT IN "
+                         f"{EXCLUDED_SLICES_PARAMETER}', or set all_traffic = true")
     return rule
 
 

@@ -54,6 +54,7 @@ def build_engine(settings: Settings, reader: Client, writer: Client) -> Detector
         daily_budget_usd=dict(settings.daily_budget_usd),
         link_base_url=settings.link_base_url,
         max_clock_skew=timedelta(seconds=settings.max_clock_skew_s),
+        excluded_slices=settings.alert_excluded_slices,
     )
     outbox = Outbox(settings.outbox_path, notifiers(settings))
     rules = with_overrides(load_rules(), settings.rule_overrides)

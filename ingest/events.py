@@ -48,6 +48,13 @@ OUTCOMES: tuple[str, ...] = (
     "unknown",
 )
 SILENT_FAILURES: tuple[str, ...] = ("budget_exhausted", "gave_up", "looped", "wrong")
+#: ``traffic_slice`` values of traffic that is not production's: stored and shown like any
+#: other, but kept out of the alert rules so a load test or a chaos drill never pages
+#: (requirements §1.0, "keeping test traffic out of prod SLOs"). ``prod`` and ``canary``
+#: are production; a slice not named here counts as production too.
+TEST_TRAFFIC_SLICES: tuple[str, ...] = (
+    "shadow", "staging", "load_test", "chaos", "eval", "replay",
+)
 TerminalReason = Literal[
     "model_done", "cannot_complete", "cap", "budget", "loop_detector", "drift_monitor",
     "cancelled", "crash",

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ingest.events import TEST_TRAFFIC_SLICES
 from loopwatch.masking import safe_url
 
 
@@ -117,6 +118,8 @@ class Settings(BaseSettings):
     daily_budget_usd: dict[str, float] = Field(default_factory=dict)
     rule_overrides: list[dict[str, Any]] = Field(default_factory=list)
     link_base_url: str = Field("", description="base URL of the run drill-down, for alert links")
+    alert_excluded_slices: tuple[str, ...] = Field(
+        TEST_TRAFFIC_SLICES, description="traffic_slice values the alert rules leave out")
 
     spool_max_bytes: int = Field(256 * 1024 * 1024, ge=1024)
     sink_retry_s: float = Field(1.0, gt=0)

@@ -7,6 +7,7 @@ time. Every test uses its own agent names, so the shared store's other data is i
 
 from __future__ import annotations
 
+import re
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -35,9 +36,10 @@ class Fleet:
         self.offset = 0
 
     def run(self, agent: str, at: datetime, *, steps: int = 1, end: str | None = "model_done",
-            loop: bool = False, **llm: Any) -> str:
+            loop: bool = False, traffic_slice: str = "prod", **llm: Any) -> str:
         run_id = uuid.uuid4().hex
-        common = {"run_id": run_id, "agent": agent, "model": "claude-sonnet-4"}
+        common = {"run_id": run_id, "agent": agent, "model": "claude-sonnet-4",
+                  "traffic_slice": traffic_slice}
         self.events.append(RunStart(ts=at, **common))
         for number in range(steps):
             self.events.append(Step(ts=at + timedelta(seconds=number), step=number, **common))
@@ -226,6 +228,55 @@ def test_hallucination_rate_from_late_labels(fleet, local_store):
     assert finding(detector, "hallucination_rate", bad).active
     assert finding(detector, "hallucination_rate", bad).value == pytest.approx(0.3)
     assert not finding(detector, "hallucination_rate", good).active
+
+
+def test_test_traffic_never_pages(fleet, local_store):
+    """A load test that loops, a chaos drill whose tool fails and an eval whose answers
+    are wrong are stored like production, but the rules leave their slices out (the
+    label's own slice does not matter: its run's does); production traffic doing the
+    same fires, and so does the test traffic once no slice is left out."""
+    tested, prod = agents()
+    for agent, slice_ in ((tested, "load_test"), (prod, "prod")):
+        for index in range(20):
+            run_id = fleet.run(agent, NOW - timedelta(minutes=5), loop=index < 4,
+                               traffic_slice=slice_)
+            fleet.add(Label(ts=NOW - timedelta(minutes=4), run_id=run_id, agent=agent,
+                            verdict="wrong" if index < 5 else "correct"))
+        for index in range(10):
+            fleet.add(ToolCall(ts=NOW - timedelta(minutes=2), run_id=f"t-{agent}", agent=agent,
+                               tool="search", args_hash=str(index), error_type="http_5xx",
+                               traffic_slice="chaos" if agent == tested else "prod"))
+    fleet.flush()
+    rules = ("loop_rate_critical", "hallucination_rate", "tool_error_rate")
+    detector = engine(local_store)
+    detector.evaluate(event_now=NOW)
+    assert [finding(detector, rule, tested) for rule in rules] == [None, None, None]
+    assert [(finding(detector, rule, prod).value, finding(detector, rule, prod).active)
+            for rule in rules] == [(0.2, True), (0.25, True), (1.0, True)]
+    unfiltered = engine(local_store, Policy(excluded_slices=()))
+    unfiltered.evaluate(event_now=NOW)
+    assert [finding(unfiltered, rule, tested).value for rule in rules] == [0.2, 0.25, 1.0]
+
+
+def test_a_rule_that_reads_agent_traffic_must_leave_test_traffic_out():
+    shipped = load_rules()
+    assert sorted(name for name, rule in shipped.items() if rule.all_traffic) == [
+        "consumer_lag", "dead_letter_rate", "processing_delay"]
+    text = """[[rules]]
+name = "mine"
+description = "d"
+severity = "warning"
+playbook = "p"
+labels = ["agent"]
+threshold = 1
+summary = "s"
+sql = "SELECT agent, count() AS value FROM runs FINAL GROUP BY agent"
+"""
+    with pytest.raises(ValueError, match=re.escape(
+            "rule mine: leave test traffic out with 'traffic_slice NOT IN "
+            "{excluded_slices:Array(String)}', or set all_traffic = true")):
+        load_rules(text)
+    assert load_rules(text + "all_traffic = true\n")["mine"].all_traffic
 
 
 def test_near_miss_high_means_the_timeout_is_too_low(fleet, local_store):

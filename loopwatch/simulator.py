@@ -5,8 +5,8 @@ scheduler thread interleaves all runs, so hundreds of concurrent runs cost one t
 Every run is planned with an outcome up front (drawn from its agent's outcome mix), so
 the fleet knows its own ground truth: ``SimulatorResult.planned`` is what the pipeline
 must find. Tool latency has a long (log-normal) tail; one tool's timeout is set a bit
-too low, so most of its timeouts are near-misses; one agent's prompt carries a
-volatile prefix and misses the prompt cache.
+too low, so most of its timeouts are near-misses; one agent's system prompt starts with
+the current time, a volatile prefix, so it never reads the prompt cache.
 
 With ``bodies`` (the default) the runs also carry what a real agent would capture
 (docs/capture.md): every model call sends the agent's system prompt (the same few KB
@@ -30,6 +30,7 @@ import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from ingest.sdk import Emitter, RunContext
@@ -192,12 +193,16 @@ class RunScript:
             read, creation = 0, profile.system_tokens
         elif profile.cache_stable:
             read, creation = profile.system_tokens, 0
-        else:
+        else:  # a volatile prefix: nothing is ever read from the cache (CACHE)
             read, creation = 0, 0
         status, error = (429, "rate_limited") if rng.random() < 0.01 else (200, None)
         cost = self.prices.cost(profile.model, context_tokens, output, read, creation).cost_usd
         bodies: dict[str, Any] = {}
         if self.bodies:
+            if not profile.cache_stable:  # the classic: a timestamp ahead of the breakpoint
+                stamp = datetime.now(UTC).isoformat(timespec="microseconds")
+                self.messages[0] = {"role": "system", "content": f"Current time: {stamp}\n"
+                                    + system_prompt(profile.name, profile.system_tokens)}
             response = " ".join(_sentence(rng, rng.randint(6, 18))
                                 for _ in range(max(1, output // 40)))
             bodies = {"prompt": self.messages, "response": response}

@@ -315,6 +315,49 @@ def test_silent_prompt_cache_miss(fleet, local_store):
     assert not finding(detector, "cache_hit_collapse", good).active
 
 
+def test_a_cache_never_read_on_any_call_of_a_run_fires_without_history(fleet, local_store):
+    """A41 / CACHE: a volatile prefix makes every call a full cache write, never a read,
+    or (a provider that caches silently, prompts captured) a new system prompt on every
+    call. Seen per run, it needs no baseline: a new prompt version, or an agent whose
+    cache never worked, is caught too. Runs with fewer than 3 answered calls, a run that
+    writes once then reads, and an agent that does not cache with a stable system prompt
+    do not count."""
+    broken, healthy = agents()
+    uncached, stamped = f"plain-{broken}", f"stamped-{broken}"
+
+    def run(agent: str, calls: list[tuple[int, int]], prompts: list[str] | None = None,
+            **fields: Any) -> None:
+        run_id = uuid.uuid4().hex
+        for index, (written, read) in enumerate(calls):
+            fleet.add(LlmCall(ts=NOW - timedelta(minutes=5, seconds=-index), run_id=run_id,
+                              agent=agent, prompt_version="v2", input_tokens=10_000,
+                              cache_creation_input_tokens=written, cache_read_input_tokens=read,
+                              system_prompt_hash=(prompts or [""] * len(calls))[index],
+                              **fields))
+
+    for index in range(8):
+        run(broken, [(9000, 0)] * 3 if index < 6 else [(9000, 0), (0, 9000), (0, 9000)])
+        run(healthy, [(9000, 0), (0, 9000), (0, 9000), (0, 9000)])
+        run(uncached, [(0, 0)] * 4, ["same"] * 4)
+        run(stamped, [(0, 0)] * 3, [f"{index}-{call}" for call in range(3)] if index < 5
+            else ["a", "b", "a"])
+    run(broken, [(9000, 0)] * 2)  # too short to tell
+    run(broken, [(9000, 0), (0, 0), (9000, 0)], http_status=429, error_type="rate_limited")
+    fleet.flush()
+    detector = engine(local_store)
+    detector.evaluate(event_now=NOW)
+    fired = finding(detector, "cache_missed_every_call", broken)
+    assert (fired.labels, fired.value, fired.samples, fired.active) == (
+        {"agent": broken, "prompt_version": "v2"}, 0.75, 8, True)
+    assert fired.summary() == (f"{broken} v2: 75% of 8 runs never read the prompt cache, "
+                               "writing it or changing the system prompt on every call")
+    assert finding(detector, "cache_missed_every_call", stamped).value == 5 / 8
+    assert finding(detector, "cache_missed_every_call", stamped).active
+    assert finding(detector, "cache_missed_every_call", healthy).value == 0
+    assert finding(detector, "cache_missed_every_call", uncached).value == 0
+    assert finding(detector, "cache_hit_collapse", broken) is None  # no history to compare
+
+
 def test_model_version_change_is_info(fleet, local_store):
     bad, good = agents()
     for agent in (bad, good):

@@ -358,6 +358,28 @@ def test_a_cache_never_read_on_any_call_of_a_run_fires_without_history(fleet, lo
     assert finding(detector, "cache_hit_collapse", broken) is None  # no history to compare
 
 
+def test_active_sessions_surge_compares_the_same_rolling_hour_of_earlier_days(fleet,
+                                                                              local_store):
+    """At 11:00 the window is 10:00-11:00, so the baseline is 10:00-11:00 of the 7 days
+    before (2 runs a day), not the clock hour 11:00-12:00 (10 runs a day)."""
+    agent, _ = agents()
+    for days in range(1, 8):
+        day = NOW - timedelta(days=days)
+        for index in range(2):
+            fleet.run(agent, day - timedelta(minutes=30 + index))
+        for index in range(10):
+            fleet.run(agent, day + timedelta(minutes=30 + index))
+    for index in range(21):
+        fleet.run(agent, NOW - timedelta(minutes=30, seconds=index))
+    fleet.flush()
+    detector = engine(local_store)
+    detector.evaluate(event_now=NOW)
+    surge = finding(detector, "active_sessions_surge", agent)
+    assert (surge.value, surge.baseline, surge.active) == (21, 2.0, True)
+    assert surge.summary() == (f"{agent} started 21 runs in the last hour, 10.5x its usual "
+                               "for this hour")
+
+
 def test_model_version_change_is_info(fleet, local_store):
     bad, good = agents()
     for agent in (bad, good):

@@ -14,6 +14,12 @@ step, Sonnet-class $3/MTok): $0.396 uncached, about $0.174 cached.
 0.396
 >>> round(step_cost(0, 0, 6000) + sum(step_cost(k, 6000, 0) for k in range(1, 15)), 4)
 0.1737
+
+A write for the 1-hour TTL costs 2 x input, not 1.25 x (D12): 6,000 tokens at $3/MTok.
+
+>>> [round(table.cost("claude-sonnet-4", 6000, 0, 0, 6000, ttl).cost_usd, 4)
+...  for ttl in ("5m", "1h")]
+[0.0225, 0.036]
 """
 
 from __future__ import annotations

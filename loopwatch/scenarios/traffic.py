@@ -123,7 +123,7 @@ class Traffic:
         system = int(agent.system_tokens * b.input_multiplier)
         context = system + 300 * number + rng.randint(0, 100)
         cached = system if b.cache_works and number > 0 else 0
-        written = system if b.cache_works and number == 0 else 0
+        written = system if number == 0 or not b.cache_works else 0  # broken: every call
         attempts = b.permanent_400_attempts
         for attempt in range(1, attempts + 1):
             yield LlmCall(ts=clock, step=number, provider="anthropic", attempt=attempt,

@@ -348,7 +348,8 @@ def retry_incident(script: Script) -> None:
 
 def rate_limit_incident(script: Script) -> None:
     """q0 retries 2 s after a 'Retry-After: 17' and gets a second 429, then waits and
-    succeeds but the run still crashes; q1 honors its Retry-After; q2 is unaffected."""
+    succeeds but the run still crashes; q1 honors its Retry-After; q2's model calls are
+    unaffected, its search tool answers one 429 and the retry succeeds."""
     q0 = script.run("q0").start(0)
     q0.llm(0, logical_op_id="op-1", attempt=1, http_status=429, error_type="rate_limited",
            retry_after_s=17)
@@ -359,7 +360,9 @@ def rate_limit_incident(script: Script) -> None:
     q1.llm(5, logical_op_id="op-2", attempt=1, http_status=429, error_type="rate_limited",
            retry_after_s=10)
     q1.llm(16, logical_op_id="op-2", attempt=2, http_status=200).end(17)
-    script.run("q2").start(29).llm(30, logical_op_id="op-3").llm(40, logical_op_id="op-4")
+    script.run("q2").start(29).llm(30, logical_op_id="op-3").llm(40, logical_op_id="op-4") \
+        .tool(41, "search", attempt=1, http_status=429, error_type="rate_limited") \
+        .tool(45, "search", attempt=2)
 
 
 TIMEOUT_CALLS: list[tuple[str, int, bool, float, float | None]] = [
@@ -637,16 +640,18 @@ def test_retry_storm_on_a_permanent_error(fleet, books):
 
 def test_rate_limit_storm(fleet, books):
     book, agent = books["rate_limit_storm"], fleet.agent("ratelimit")
-    rate = query(fleet, book, "429 rate per provider and model per minute", agent=agent)
-    assert pick(rate, "minute", "calls", "rate_limited", "rate_429", "above_threshold",
-                "retries") == [(naive(T0), 7, 3, 0.429, 1, 3)]
+    rate = query(fleet, book, "429 rate per provider, model and tool per minute", agent=agent)
+    assert pick(rate, "minute", "source", "target", "calls", "rate_limited", "rate_429",
+                "above_threshold", "retries") == [(naive(T0), "llm", MODEL, 7, 3, 0.429, 1, 3),
+                                                  (naive(T0), "tool", "search", 2, 1, 0.5, 1, 1)]
     honored = query(fleet, book, "Was Retry-After honored?", agent=agent)
     q0, q1 = fleet.run_id("ratelimit", "q0"), fleet.run_id("ratelimit", "q1")
     assert pick(honored, "run_id", "attempt", "retry_after_s", "waited_s", "not_honored",
                 "second_429") == [(q0, 1, 17.0, 2.0, 1, 1), (q0, 2, 17.0, 18.0, 0, 0),
                                   (q1, 1, 10.0, 11.0, 0, 0)]
     ratio = query(fleet, book, "Retry-to-original ratio", agent=agent)
-    assert pick(ratio, "source", "originals", "retries", "retry_ratio") == [("llm", 4, 3, 0.75)]
+    assert pick(ratio, "source", "originals", "retries", "retry_ratio") == [("llm", 4, 3, 0.75),
+                                                                          ("tool", 1, 1, 1.0)]
     budget = query(fleet, book, "Did 429s drain the failure budget or trip breakers?",
                    agent=agent)
     assert pick(budget, "outcome", "terminal_reason", "runs", "rate_limited_calls",

@@ -201,6 +201,26 @@ def test_rate_limited_tool_calls_are_not_tool_errors(fleet, local_store):
     assert not finding(detector, "tool_error_rate", bad).active
 
 
+def test_a_tools_429s_raise_their_own_alert_not_its_error_rate(fleet, local_store):
+    bad, good = agents()
+    for index in range(20):
+        for agent, limited in ((bad, index < 5), (good, index < 1)):
+            fleet.add(ToolCall(ts=NOW - timedelta(minutes=1), run_id=f"r-{agent}", agent=agent,
+                               tool="search", args_hash=str(index),
+                               http_status=429 if limited else 200,
+                               error_type="rate_limited" if limited else None))
+    fleet.flush()
+    detector = engine(local_store)
+    detector.evaluate(event_now=NOW)
+    storm = finding(detector, "tool_rate_limit_storm", bad)
+    assert (storm.labels, storm.value, storm.active) == ({"agent": bad, "tool": "search"}, 0.25,
+                                                         True)
+    assert storm.summary() == "25.0% of 20 search calls were rate limited (429) in the last 5m"
+    assert finding(detector, "tool_rate_limit_storm", good).value == 0.05
+    assert not finding(detector, "tool_rate_limit_storm", good).active
+    assert finding(detector, "tool_error_rate", bad).value == 0
+
+
 def test_retry_storm_on_a_permanent_400(fleet, local_store):
     bad, good = agents()
     for _ in range(10):

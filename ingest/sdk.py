@@ -689,6 +689,7 @@ class RunContext:
         self.start_fields = fields
         self.ended = False
         self.step_number = 0
+        self.steps_sent = 0
 
     def _emit(self, model: type[EventBase], **fields: Any) -> EventBase:
         event = model(run_id=self.run_id, **{**self.common, **fields})
@@ -705,6 +706,7 @@ class RunContext:
         fields.setdefault("step", self.step_number)
         event = cast(Step, self._emit(Step, **fields))
         self.step_number = event.step + 1
+        self.steps_sent += 1
         return event
 
     def llm_call(self, prompt: Any = None, response: Any = None, **fields: Any) -> EventBase:
@@ -768,7 +770,10 @@ class RunContext:
         return self._emit(Label, verdict=verdict, **fields)
 
     def end(self, terminal_reason: str | None, **fields: Any) -> EventBase:
+        """The ``run.end``; unless given, its ``total_steps`` is the number of steps this
+        context sent, which the store checks against the steps it got (``steps_lost``)."""
         self.ended = True
+        fields.setdefault("total_steps", self.steps_sent)
         return self._emit(RunEnd, terminal_reason=terminal_reason, **fields)
 
     def timed_tool_call(

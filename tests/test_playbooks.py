@@ -749,22 +749,29 @@ def test_silent_prompt_cache_miss(fleet, books):
 
 
 def test_pipeline_health_finds_late_events_dead_letters_and_silent_agents(local_store, books):
-    """loopwatch's own incident: events stored late, a refused message, a quiet agent."""
+    """loopwatch's own incident: events stored late, a refused message, a quiet agent,
+    a run that stored fewer steps than its agent sent."""
     settings, client = local_store
     agent = "pipeline-health-agent"
     late = Step(run_id="ph-run", agent=agent, step=0, ts=datetime.now(UTC) - timedelta(minutes=7))
+    losing = "pipeline-health-losing-agent"
+    short = [RunStart(run_id="ph-short", agent=losing, worker_id="w-3"),
+             Step(run_id="ph-short", agent=losing, worker_id="w-3", step=0),
+             RunEnd(run_id="ph-short", agent=losing, worker_id="w-3",
+                    terminal_reason="model_done", total_steps=3)]
     messages = [RawMessage("t", 0, 1, encode_envelope([late])),
-                RawMessage("t", 0, 2, b"{not json, from pipeline-health")]
+                RawMessage("t", 0, 2, b"{not json, from pipeline-health"),
+                RawMessage("t", 0, 3, encode_envelope(short))]
     ClickHouseSink(client).write_batch(
         Pipeline(settings, MemoryRunStore()).process(messages).rows)
     book = books["pipeline_health"]
     now = datetime.now(UTC)
     values = {"agent": agent, "since": now - timedelta(hours=1), "until": now + timedelta(hours=1)}
 
-    def rows(title: str) -> list[dict[str, Any]]:
+    def rows(title: str, **given: Any) -> list[dict[str, Any]]:
         step = next(step for step in book.steps if step.title == title)
         assert step.sql is not None
-        return run_query(client, step.sql, {k: values[k] for k in step.parameters},
+        return run_query(client, step.sql, {k: {**values, **given}[k] for k in step.parameters},
                          readonly=True).records()
 
     delay = rows("Storage delay per minute")
@@ -773,3 +780,7 @@ def test_pipeline_health_finds_late_events_dead_letters_and_silent_agents(local_
     reasons = {row["reason"].split(":")[0] for row in rows("Dead letters by reason")}
     assert "malformed JSON" in reasons
     assert [row["agent"] for row in rows("Last event per agent")] == [agent]
+    lost = rows("Runs with fewer steps stored than their agent sent", agent=losing)
+    assert [(row["agent"], row["worker_id"], row["runs"], row["steps_missing"],
+             row["example_runs"]) for row in lost] == [(losing, "w-3", 1, 2, ["ph-short"])]
+    assert rows("Runs with fewer steps stored than their agent sent") == []

@@ -400,6 +400,35 @@ def test_active_sessions_surge_compares_the_same_rolling_hour_of_earlier_days(fl
                                "for this hour")
 
 
+def test_steps_lost_compares_stored_steps_with_the_agents_own_count(fleet, local_store):
+    """A57: the run.end says how many steps the agent sent; a run that stored fewer lost
+    events on the way. A run.end without a count, or a redelivered one, changes nothing."""
+    bad, good = agents()
+    for agent in (bad, good):
+        for index in range(21):
+            run_id = f"{agent}-{index}"
+            common = {"run_id": run_id, "agent": agent}
+            at = NOW - timedelta(minutes=5)
+            fleet.add(RunStart(ts=at, **common))
+            for number in range(3):
+                fleet.add(Step(ts=at + timedelta(seconds=number), step=number, **common))
+            sent = 5 if agent == bad and index < 4 else 3
+            end = RunEnd(ts=at + timedelta(seconds=9), terminal_reason="model_done",
+                         total_steps=None if index == 20 else sent, **common)
+            fleet.add(end)
+            if index == 0:
+                fleet.add(end)  # delivered twice
+    fleet.flush()
+    detector = engine(local_store)
+    detector.evaluate(event_now=NOW)
+    lost = finding(detector, "steps_lost", bad)
+    assert (lost.value, lost.samples, lost.active) == (0.2, 20, True)
+    assert lost.summary() == (f"20.0% of 20 closed runs of {bad} stored fewer steps than the "
+                              "agent sent")
+    assert (finding(detector, "steps_lost", good).value,
+            finding(detector, "steps_lost", good).active) == (0, False)
+
+
 def test_model_version_change_is_info(fleet, local_store):
     bad, good = agents()
     for agent in (bad, good):

@@ -99,6 +99,7 @@ def test_events_of_a_run_stay_ordered_on_the_run_partition(broker, tmp_path: Pat
         assert {p for p, _ in mine} == {partition_for(run_id, 3)}
         assert [e["event_type"] for _, e in mine] == ["run.start", *["step"] * 20, "run.end"]
         assert [e["step"] for _, e in mine[1:-1]] == list(range(20))
+        assert mine[-1][1]["total_steps"] == 20  # the SDK's count, checked by steps_lost
 
 
 def test_a_burst_makes_one_full_envelope_per_partition(broker, tmp_path: Path):

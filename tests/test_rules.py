@@ -429,6 +429,45 @@ def test_steps_lost_compares_stored_steps_with_the_agents_own_count(fleet, local
             finding(detector, "steps_lost", good).active) == (0, False)
 
 
+def test_run_cost_budget_watches_each_run_against_its_declared_ceiling(fleet, local_store):
+    """A10: 70% of a run's max_cost_usd warns while it runs (or just closed); a run under
+    it, one without a budget and one that closed long ago do not. claude-sonnet-4 input
+    is $3 per million tokens."""
+    agent, _ = agents()
+
+    def run(name: str, budget: float | None, tokens: int, *, closed_minutes: int | None,
+            ) -> None:
+        common = {"run_id": f"{agent}-{name}", "agent": agent, "model": "claude-sonnet-4"}
+        at = NOW - timedelta(minutes=30 if closed_minutes is None else closed_minutes + 1)
+        fleet.add(RunStart(ts=at, max_cost_usd=budget, task_type="report", **common))
+        fleet.add(LlmCall(ts=at + timedelta(seconds=1), input_tokens=tokens, **common))
+        if closed_minutes is not None:
+            fleet.add(RunEnd(ts=NOW - timedelta(minutes=closed_minutes),
+                             terminal_reason="cap", cap="cost", **common))
+
+    run("burning", 1.0, 250_000, closed_minutes=None)  # $0.75
+    run("thrifty", 1.0, 100_000, closed_minutes=None)  # $0.30
+    run("unbounded", None, 1_000_000, closed_minutes=None)
+    run("just-closed", 0.5, 200_000, closed_minutes=5)  # $0.60
+    run("long-closed", 0.5, 200_000, closed_minutes=60)
+    fleet.flush()
+    detector = engine(local_store)
+    detector.evaluate(event_now=NOW)
+    found = {f.labels["run_id"].removeprefix(f"{agent}-"): (round(f.value, 4), f.active)
+             for f in detector.last_findings["run_cost_budget"] if f.labels["agent"] == agent}
+    assert found == {"burning": (0.75, True), "thrifty": (0.3, False),
+                     "just-closed": (1.2, True)}
+    burning = finding_for_run(detector, f"{agent}-burning")
+    assert burning.summary() == f"run {agent}-burning of {agent} has spent 75% of its cost budget"
+    assert burning.labels["task_type"] == "report"
+
+
+def finding_for_run(engine_: DetectorEngine, run_id: str) -> Finding:
+    (match,) = [f for f in engine_.last_findings["run_cost_budget"]
+                if f.labels["run_id"] == run_id]
+    return match
+
+
 def test_model_version_change_is_info(fleet, local_store):
     bad, good = agents()
     for agent in (bad, good):

@@ -27,7 +27,7 @@ from detectors.alerts import (
     replay_evidence,
 )
 from detectors.outbox import Outbox
-from detectors.rules import Finding, Rule, SeriesState, evaluate, load_rules
+from detectors.rules import EXCLUDED_SLICES, Finding, Rule, SeriesState, evaluate, load_rules
 from ingest.events import TEST_TRAFFIC_SLICES
 from loopwatch.store.clickhouse import QueryResult, read_time
 
@@ -169,7 +169,7 @@ class DetectorEngine:
     def _findings(self, rule: Rule, now: datetime, wall_now: datetime) -> list[Finding]:
         parameters = {"now": now, "start": now - rule.window,
                       "baseline_start": now - max(rule.baseline, rule.window),
-                      "wall_now": wall_now, "excluded_slices": list(self.policy.excluded_slices)}
+                      "wall_now": wall_now, EXCLUDED_SLICES: list(self.policy.excluded_slices)}
         rows = self.query(rule.sql, parameters).records()
         series = self._series.setdefault(rule.name, {})
         return evaluate(rule, rows, self.policy.daily_budget_usd, series)

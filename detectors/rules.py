@@ -28,8 +28,10 @@ from scipy.stats import binom
 Severity = Literal["critical", "warning", "info"]
 FindingState = Literal["active", "inactive", "too_few_samples", "waiting_for_history"]
 SEVERITIES: tuple[str, ...] = ("critical", "warning", "info")
-#: the query parameter holding the slices left out (the engine's ``excluded_slices``)
-EXCLUDED_SLICES_PARAMETER = "{excluded_slices:Array(String)}"
+#: the query parameter holding the traffic slices left out (the engine's policy), by name
+#: and as rule SQL spells it
+EXCLUDED_SLICES = "excluded_slices"
+EXCLUDED_SLICES_PARAMETER = f"{{{EXCLUDED_SLICES}:Array(String)}}"
 OPS: dict[str, Callable[[float, float], bool]] = {
     ">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le,
 }

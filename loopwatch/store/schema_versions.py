@@ -69,7 +69,7 @@ def checksum(sql: str) -> str:
     """sha256 of a migration's text, as recorded.
 
     >>> checksum("SELECT 1")[:12]
-    'e004ebd5b5c1'
+    'e004ebd5b553'
     """
     return hashlib.sha256(sql.encode()).hexdigest()
 

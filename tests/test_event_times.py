@@ -25,6 +25,7 @@ from loopwatch.reprocess import MemoryRunStore
 from loopwatch.store.clickhouse import migrate
 from processors.pipeline import Pipeline, RawMessage
 from processors.sink import ClickHouseSink
+from tests.conftest import wait_for
 
 #: (sent, as ClickHouse prints it back, its minute)
 ACCEPTED = [
@@ -158,3 +159,48 @@ def test_retention_counts_from_ingestion_so_old_history_is_kept(local_store):
               for table in ALL_TABLES}
     assert counts == {"events": 6, "llm_calls": 1, "tool_calls": 1, "labels": 1,
                       "annotations": 1, "runs": 1, "dead_letters": 0}
+
+
+def test_the_edge_times_through_the_broker_and_loopwatch_up(emitter, reader, agent):
+    """The same times end to end: the SDK's raw path (which leaves validation to the
+    pipeline) to the real broker, the session's ``loopwatch up``, its store, and back
+    through the store service's JSON; refused ones are dead letters with their reason."""
+    lines = []
+    for index, (sent, _, _) in enumerate(ACCEPTED):
+        run_id = f"{agent}-ok{index}"
+        lines.extend(orjson.dumps(dict(event, agent=agent))
+                     for event in _events(run_id, sent, extra=False))
+    for index, (sent, _) in enumerate(REFUSED):
+        lines.append(orjson.dumps(dict(_events(f"{agent}-no{index}", sent, False)[0],
+                                       agent=agent)))
+    emitter.emit_raw(lines)
+    assert emitter.flush(60)
+    accepted = len(ACCEPTED) * len(KINDS)
+
+    def stored() -> int:
+        return int(reader.query("SELECT count() FROM events FINAL WHERE agent = {a:String}",
+                                {"a": agent}).scalar())
+
+    def letters() -> list[str]:
+        return [row["reason"] for row in reader.query(
+            "SELECT reason FROM dead_letters FINAL WHERE position(payload, {a:String}) > 0 "
+            "ORDER BY reason", {"a": agent}).records()]
+
+    wait_for(lambda: stored() == accepted and len(letters()) == len(REFUSED), 120,
+             what=f"{accepted} events and {len(REFUSED)} dead letters of {agent}")
+    printed = sorted(text for _, text, _ in ACCEPTED)
+    for table in ("events", "llm_calls", "tool_calls", "labels"):
+        rows = reader.query(f"SELECT toString(ts) AS t FROM {table} FINAL WHERE agent = "
+                            "{a:String} ORDER BY t", {"a": agent}).records()
+        times = [row["t"] for row in rows]
+        assert times == (sorted(printed * len(KINDS)) if table == "events" else printed), table
+    wait_for(lambda: reader.query(
+        "SELECT count() FROM runs FINAL WHERE agent = {a:String} AND outcome = 'success'",
+        {"a": agent}).scalar() == len(ACCEPTED), 60, what="every run closed")
+    runs = reader.query("SELECT toString(started_ts) AS s, toString(last_event_ts) AS l "
+                        "FROM runs FINAL WHERE agent = {a:String} ORDER BY s",
+                        {"a": agent}).records()
+    assert [(row["s"], row["l"]) for row in runs] == [(text, text) for text in printed]
+    assert letters() == sorted(
+        f"schema violation: run.start.ts: Value error, ts {shown} is outside {TS_RANGE}"
+        for _, shown in REFUSED)

@@ -66,6 +66,9 @@ Cap = Literal["step", "token", "time", "cost", "retry"]
 #: accepted and then mangled or refused by the store, which would stall the pipeline.
 TS_MIN = datetime(1900, 1, 1, tzinfo=UTC)
 TS_MAX = datetime(2299, 12, 31, 23, 59, 59, 999000, tzinfo=UTC)
+#: the bounds as a dead letter's reason names them
+TS_RANGE = (f"{TS_MIN.isoformat(timespec='milliseconds')} .. "
+            f"{TS_MAX.isoformat(timespec='milliseconds')}")
 U16_MAX = 2**16 - 1
 U32_MAX = 2**32 - 1
 I64_MAX = 2**63 - 1
@@ -140,7 +143,9 @@ class EventBase(BaseModel):
     event_id: uuid.UUID = Field(default_factory=time_ordered_uuid,
                                 description="dedup key (time-ordered UUIDv7 when generated)")
     schema_version: str = SCHEMA_VERSION
-    ts: datetime = Field(default_factory=_now, description="event time (UTC)")
+    ts: datetime = Field(default_factory=_now, description=f"event time (UTC), {TS_RANGE}",
+                         json_schema_extra={"formatMinimum": TS_MIN.isoformat(),
+                                            "formatMaximum": TS_MAX.isoformat()})
     run_id: str = Field(min_length=1, max_length=256)
     trace_id: str | None = None
     span_id: str | None = None
@@ -177,7 +182,7 @@ class EventBase(BaseModel):
     def _utc(cls, value: datetime) -> datetime:
         value = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
         if not TS_MIN <= value <= TS_MAX:
-            raise ValueError(f"ts {value.isoformat()} is outside 1900-01-01 .. 2299-12-31")
+            raise ValueError(f"ts {value.isoformat()} is outside {TS_RANGE}")
         return value
 
     @model_validator(mode="after")

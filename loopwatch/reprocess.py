@@ -10,7 +10,7 @@ tables' dedup keys, so reprocessing twice changes nothing.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import orjson
@@ -81,6 +81,7 @@ def reprocess_with(client: Client, settings: Settings, since: datetime,
         work.rows.tables.pop(EVENTS_IN_TABLE, None)
         work.rows.tables.pop("dead_letters", None)
         work.rows.tables["runs"] = []
+        now = datetime.now(UTC)
         for run_id in batch:
             state = store.get(run_id)
             if state is None:
@@ -89,7 +90,7 @@ def reprocess_with(client: Client, settings: Settings, since: datetime,
             if state.end_ms is None and original.abandoned_ms is not None:
                 state.abandoned_ms = original.abandoned_ms
                 state.version += 1
-            work.rows.add("runs", run_row(state))
+            work.rows.add("runs", run_row(state, now))
         sink.write_batch(work.rows)
     return {"runs": len(run_ids), "events": events, "skipped": skipped}
 

@@ -190,9 +190,10 @@ class Pipeline:
         that cannot be (only a damaged one: recovered from an incompatible build, say)
         costs its own run's row, logged and counted, not the batch's."""
         work = Work()
+        now = datetime.now(UTC)
         for state in touched.values():
             try:
-                row = rows.run_row(state)
+                row = rows.run_row(state, now)
                 self._put(state)
             except Exception as exc:
                 self._state_failed("settling", state.run_id, exc)
@@ -214,19 +215,20 @@ class Pipeline:
                 for run_id in members:
                     del self._bucket_of[run_id]
                 due.extend(members)
+        now = datetime.now(UTC)
         for run_id in due:
             try:
-                self._sweep_one(work, run_id, mark)
+                self._sweep_one(work, run_id, mark, now)
             except Exception as exc:  # left out of the index: not retried every sweep
                 self._state_failed("sweeping", run_id, exc)
         return work
 
-    def _sweep_one(self, work: Work, run_id: str, mark: int) -> None:
+    def _sweep_one(self, work: Work, run_id: str, mark: int, now: datetime) -> None:
         state = self.store.get(run_id)
         if state is None:
             return
         if abandon_if_expired(state, mark, self.abandon_ttl_ms(state)):
-            work.rows.add("runs", rows.run_row(state))
+            work.rows.add("runs", rows.run_row(state, now))
             self._put(state)
             self.counters.runs_abandoned += 1
             self.counters.runs_closed += 1
@@ -370,7 +372,7 @@ class Pipeline:
         else:
             self.counters.future_events += 1
         if isinstance(event, Annotation):
-            work.rows.add("annotations", rows.annotation_row(event))
+            work.rows.add("annotations", rows.annotation_row(event, now))
             return
         priced_cost = 0.0
         if isinstance(event, LlmCall):
@@ -384,11 +386,12 @@ class Pipeline:
             )
             self.counters.cost_mismatches += int(mismatch)
             priced_cost = priced.cost_usd
-            work.rows.add("llm_calls", rows.llm_call_row(event, priced, mismatch))
+            work.rows.add("llm_calls", rows.llm_call_row(event, priced, mismatch, now))
         elif isinstance(event, ToolCall):
-            work.rows.add("tool_calls", rows.tool_call_row(event, self.settings.near_miss_factor))
+            work.rows.add("tool_calls", rows.tool_call_row(event, self.settings.near_miss_factor,
+                                                           now))
         elif isinstance(event, Label):
-            work.rows.add("labels", rows.label_row(event))
+            work.rows.add("labels", rows.label_row(event, now))
         state = self._state_for(touched, event, message.partition, event_ms)
         was_closed = state.closed
         loop = self.settings.loop_for(event.task_type or state.task_type)

@@ -1,4 +1,8 @@
-"""Events and run states as ClickHouse rows (column names match the migrations)."""
+"""Events and run states as ClickHouse rows (column names match the migrations).
+
+Every row carries ``ingested_at``, the processor's wall clock when it built the row's
+batch: retention counts from it (loopwatch/store/retention.py), never from event time.
+"""
 
 from __future__ import annotations
 
@@ -97,7 +101,8 @@ def event_json(columns: dict[str, Any], payload: str | bytes) -> bytes:
     return orjson.dumps(fields)
 
 
-def llm_call_row(event: LlmCall, priced: PricedCall, mismatch: bool) -> dict[str, Any]:
+def llm_call_row(event: LlmCall, priced: PricedCall, mismatch: bool, now: datetime
+                 ) -> dict[str, Any]:
     return {
         "event_id": event.event_id,
         "ts": event.ts,
@@ -133,6 +138,7 @@ def llm_call_row(event: LlmCall, priced: PricedCall, mismatch: bool) -> dict[str
         "logical_op_id": event.logical_op_id or "",
         "stop_reason": event.stop_reason or "",
         "system_prompt_hash": event.system_prompt_hash or "",
+        "ingested_at": now,
     }
 
 
@@ -148,7 +154,7 @@ def near_miss(event: ToolCall, factor: float) -> int | None:
     return int(event.late_completion_ms <= factor * event.timeout_ms)
 
 
-def tool_call_row(event: ToolCall, near_miss_factor: float) -> dict[str, Any]:
+def tool_call_row(event: ToolCall, near_miss_factor: float, now: datetime) -> dict[str, Any]:
     return {
         "event_id": event.event_id,
         "ts": event.ts,
@@ -173,10 +179,11 @@ def tool_call_row(event: ToolCall, near_miss_factor: float) -> dict[str, Any]:
         "result_count": event.result_count,
         "result_size_bytes": event.result_size_bytes,
         "attempt": event.attempt,
+        "ingested_at": now,
     }
 
 
-def label_row(event: Label) -> dict[str, Any]:
+def label_row(event: Label, now: datetime) -> dict[str, Any]:
     return {
         "event_id": event.event_id,
         "ts": event.ts,
@@ -186,10 +193,11 @@ def label_row(event: Label) -> dict[str, Any]:
         "label_source": event.label_source,
         "quality_score": event.quality_score,
         "hallucination": None if event.hallucination is None else int(event.hallucination),
+        "ingested_at": now,
     }
 
 
-def annotation_row(event: Annotation) -> dict[str, Any]:
+def annotation_row(event: Annotation, now: datetime) -> dict[str, Any]:
     return {
         "event_id": event.event_id,
         "ts": event.ts,
@@ -202,10 +210,11 @@ def annotation_row(event: Annotation) -> dict[str, Any]:
         "new_value": event.new_value,
         "actor": event.actor,
         "message": event.message,
+        "ingested_at": now,
     }
 
 
-def run_row(state: RunState) -> dict[str, Any]:
+def run_row(state: RunState, now: datetime) -> dict[str, Any]:
     closed_ms = state.closed_ms
     started = state.started_ms if state.started_ms is not None else state.first_ms
     return {
@@ -241,6 +250,7 @@ def run_row(state: RunState) -> dict[str, Any]:
         "loop_summary": state.loop_summary,
         "version": state.version,
         "state": orjson.dumps(state.to_dict(with_seen=False)).decode(),
+        "ingested_at": now,
     }
 
 

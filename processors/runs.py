@@ -307,10 +307,13 @@ def apply_event(
     """
     if not remember(state, event.event_id.bytes):
         return False
-    state.version += 1
     when = ms(event) if when is None else when
-    state.last_ms = max(state.last_ms, when)
-    state.first_ms = min(state.first_ms or when, when)
+    if state.version:
+        state.last_ms = max(state.last_ms, when)
+        state.first_ms = min(state.first_ms, when)
+    else:  # the run's first event: any time, 1900 (negative ms) and 1970 (0) included
+        state.last_ms = state.first_ms = when
+    state.version += 1
     _take_dimensions(state, event, authoritative=isinstance(event, RunStart))
     if isinstance(event, RunStart):
         state.started_ms = when

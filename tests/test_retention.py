@@ -44,13 +44,13 @@ def test_every_table_gets_its_ttl_with_overrides_and_a_restart_changes_nothing(l
                              capture_retention_days=14)
     ttls = current_ttls(client, settings.database)
     expected = {table: rule.normalized() for table, rule in RETENTION.items()}
-    expected["events"] = "toDateTime(ts) + toIntervalDay(3)"
-    expected["runs"] = "toDateTime(last_event_ts) + toIntervalDay(400)"
+    expected["events"] = "ingested_at + toIntervalDay(3)"
+    expected["runs"] = "ingested_at + toIntervalDay(400)"
     for table in CAPTURE_TABLES:
-        expected[table] = f"toDateTime({RETENTION[table].column}) + toIntervalDay(14)"
+        expected[table] = f"{RETENTION[table].column} + toIntervalDay(14)"
     assert {table: ttls[table] for table in RETENTION} == expected
-    assert ttls["pipeline_gauges"] == "toDateTime(ts) + toIntervalDay(30)"
-    assert ttls["capture_staging"] == "toDateTime(staged_at) + toIntervalDay(7)"
+    assert ttls["pipeline_gauges"] == "ts + toIntervalDay(30)"
+    assert ttls["capture_staging"] == "staged_at + toIntervalDay(7)"
     assert apply_retention(client, settings) == {}
     migrate(settings)
     assert current_ttls(client, settings.database) == ttls
@@ -60,23 +60,40 @@ def test_every_table_gets_its_ttl_with_overrides_and_a_restart_changes_nothing(l
 
 
 def test_an_unknown_table_or_an_impossible_retention_is_refused():
-    """A typo would silently keep the default; a TTL past 2106 (toDateTime's end) wraps
-    around and would expire every row at once."""
+    """A typo would silently keep the default; past 100 years a row stored late in
+    DateTime64's range would outlive it."""
     with pytest.raises(ValueError, match="no retention rule"):
         retention_for(Settings(retention_days={"evnets": 3}))
-    with pytest.raises(ValueError, match=r"must be 1\.\.10000"):
-        retention_for(Settings(retention_days={"events": 36500}))
+    with pytest.raises(ValueError, match=r"must be 1\.\.36500 \(got 36501\)"):
+        retention_for(Settings(retention_days={"events": 36501}))
+    assert retention_for(Settings(retention_days={"events": 36500}))["events"].days == 36500
 
 
-def test_the_ttl_drops_rows_older_than_the_retention(local_store):
-    """A row older than its table's retention is gone after a merge; a recent one stays."""
+def test_the_ttl_drops_rows_stored_longer_ago_than_the_retention(local_store):
+    """Retention counts from ``ingested_at``: a row stored 6 days ago is gone after a
+    merge under a 5-day retention, one stored 4 days ago stays, whatever their event
+    times (the kept one is dated 1900, which the old event-time TTL expired at once)."""
     _settings, client = store(local_store, retention_days={"events": 5})
     now = datetime.now(UTC)
-    client.insert("events", [[uuid.uuid4(), "step", "old", "a", now - timedelta(days=6), "{}"],
-                             [uuid.uuid4(), "step", "new", "a", now - timedelta(days=4), "{}"]],
+    client.insert("events", [
+        [uuid.uuid4(), "step", "old", "a", now, "{}", now - timedelta(days=6)],
+        [uuid.uuid4(), "step", "new", "a", datetime(1900, 1, 1, tzinfo=UTC), "{}",
+         now - timedelta(days=4)]],
+        column_names=["event_id", "event_type", "run_id", "agent", "ts", "payload",
+                      "ingested_at"])
+    client.command("OPTIMIZE TABLE events FINAL")
+    assert client.query("SELECT run_id, toString(ts) FROM events").result_rows == [
+        ("new", "1900-01-01 00:00:00.000")]
+
+
+def test_the_longest_retention_does_not_wrap(local_store):
+    """``toDateTime(ts) + INTERVAL 36500 DAY`` wrapped past 2106 and expired every row at
+    once, hence the old 10,000-day bound; the DateTime64 TTL keeps a row stored now."""
+    _settings, client = store(local_store, retention_days={"events": 36500, "runs": 36500})
+    client.insert("events", [[uuid.uuid4(), "step", "kept", "a", datetime.now(UTC), "{}"]],
                   column_names=["event_id", "event_type", "run_id", "agent", "ts", "payload"])
     client.command("OPTIMIZE TABLE events FINAL")
-    assert client.query("SELECT run_id FROM events").result_rows == [("new",)]
+    assert client.query("SELECT run_id FROM events").result_rows == [("kept",)]
 
 
 MONTHS = [(datetime(2026, 1, 15, tzinfo=UTC), 1500), (datetime(2026, 2, 15, tzinfo=UTC), 1000),

@@ -460,40 +460,140 @@ ARRAY JOIN
     event_objects AS event,
     arrayResize(event_extras, length(event_objects)) AS event_extra;
 
+ALTER TABLE loopwatch.events_local ON CLUSTER loopwatch MODIFY COLUMN ingested_at DEFAULT now64(3);
+
+ALTER TABLE loopwatch.events ON CLUSTER loopwatch MODIFY COLUMN ingested_at DEFAULT now64(3);
+
+ALTER TABLE loopwatch.llm_calls_local ON CLUSTER loopwatch ADD COLUMN IF NOT EXISTS ingested_at DateTime64(3, 'UTC') DEFAULT now64(3) CODEC(ZSTD(1));
+
+ALTER TABLE loopwatch.llm_calls ON CLUSTER loopwatch ADD COLUMN IF NOT EXISTS ingested_at DateTime64(3, 'UTC') DEFAULT now64(3) CODEC(ZSTD(1));
+
+ALTER TABLE loopwatch.llm_calls_local ON CLUSTER loopwatch MATERIALIZE COLUMN ingested_at SETTINGS mutations_sync = 2;
+
+ALTER TABLE loopwatch.tool_calls_local ON CLUSTER loopwatch ADD COLUMN IF NOT EXISTS ingested_at DateTime64(3, 'UTC') DEFAULT now64(3) CODEC(ZSTD(1));
+
+ALTER TABLE loopwatch.tool_calls ON CLUSTER loopwatch ADD COLUMN IF NOT EXISTS ingested_at DateTime64(3, 'UTC') DEFAULT now64(3) CODEC(ZSTD(1));
+
+ALTER TABLE loopwatch.tool_calls_local ON CLUSTER loopwatch MATERIALIZE COLUMN ingested_at SETTINGS mutations_sync = 2;
+
+ALTER TABLE loopwatch.runs_local ON CLUSTER loopwatch ADD COLUMN IF NOT EXISTS ingested_at DateTime64(3, 'UTC') DEFAULT now64(3) CODEC(ZSTD(1));
+
+ALTER TABLE loopwatch.runs ON CLUSTER loopwatch ADD COLUMN IF NOT EXISTS ingested_at DateTime64(3, 'UTC') DEFAULT now64(3) CODEC(ZSTD(1));
+
+ALTER TABLE loopwatch.runs_local ON CLUSTER loopwatch MATERIALIZE COLUMN ingested_at SETTINGS mutations_sync = 2;
+
+ALTER TABLE loopwatch.labels_local ON CLUSTER loopwatch ADD COLUMN IF NOT EXISTS ingested_at DateTime64(3, 'UTC') DEFAULT now64(3) CODEC(ZSTD(1));
+
+ALTER TABLE loopwatch.labels ON CLUSTER loopwatch ADD COLUMN IF NOT EXISTS ingested_at DateTime64(3, 'UTC') DEFAULT now64(3) CODEC(ZSTD(1));
+
+ALTER TABLE loopwatch.labels_local ON CLUSTER loopwatch MATERIALIZE COLUMN ingested_at SETTINGS mutations_sync = 2;
+
+ALTER TABLE loopwatch.annotations_local ON CLUSTER loopwatch ADD COLUMN IF NOT EXISTS ingested_at DateTime64(3, 'UTC') DEFAULT now64(3) CODEC(ZSTD(1));
+
+ALTER TABLE loopwatch.annotations ON CLUSTER loopwatch ADD COLUMN IF NOT EXISTS ingested_at DateTime64(3, 'UTC') DEFAULT now64(3) CODEC(ZSTD(1));
+
+ALTER TABLE loopwatch.annotations_local ON CLUSTER loopwatch MATERIALIZE COLUMN ingested_at SETTINGS mutations_sync = 2;
+
+ALTER TABLE loopwatch.pipeline_gauges_local ON CLUSTER loopwatch MODIFY TTL ts + INTERVAL 30 DAY;
+
+ALTER TABLE loopwatch.capture_staging_blobs_local ON CLUSTER loopwatch MODIFY TTL staged_at + INTERVAL 7 DAY;
+
+ALTER TABLE loopwatch.capture_staging_local ON CLUSTER loopwatch MODIFY TTL staged_at + INTERVAL 7 DAY;
+
+CREATE OR REPLACE VIEW loopwatch.outcomes_1m ON CLUSTER loopwatch AS
+SELECT
+    toStartOfInterval(closed_ts, INTERVAL 60000 MILLISECOND) AS minute,
+    agent, task_type, model, prompt_version, deployment, traffic_slice,
+    outcome,
+    count() AS runs,
+    sum(cost_usd) AS cost_usd,
+    cost_usd / runs AS mean_cost_usd
+FROM loopwatch.runs FINAL
+WHERE status = 'closed'
+GROUP BY minute, agent, task_type, model, prompt_version, deployment, traffic_slice, outcome;
+
+CREATE OR REPLACE VIEW loopwatch.tool_metrics_1m ON CLUSTER loopwatch AS
+SELECT
+    toStartOfInterval(ts, INTERVAL 60000 MILLISECOND) AS minute,
+    agent, task_type, tool, traffic_slice,
+    count() AS calls,
+    sum(timed_out) AS timeouts,
+    countIf(near_miss IS NOT NULL) AS timeouts_known_duration,
+    countIf(near_miss = 1) AS near_misses,
+    sum(is_error) AS errors,
+    timeouts / calls AS timeout_rate,
+    near_misses / nullIf(timeouts_known_duration, 0) AS near_miss_ratio,
+    errors / calls AS error_rate,
+    quantileTDigest(0.5)(latency_ms) AS latency_p50_ms,
+    quantileTDigest(0.95)(latency_ms) AS latency_p95_ms,
+    quantileTDigest(0.99)(latency_ms) AS latency_p99_ms
+FROM loopwatch.tool_calls FINAL
+GROUP BY minute, agent, task_type, tool, traffic_slice;
+
+CREATE OR REPLACE VIEW loopwatch.cache_metrics_1m ON CLUSTER loopwatch AS
+SELECT
+    toStartOfInterval(ts, INTERVAL 60000 MILLISECOND) AS minute,
+    agent, task_type, model, prompt_version, deployment, traffic_slice,
+    count() AS calls,
+    sum(cache_read_tokens) AS cache_read_tokens,
+    sum(cache_creation_tokens) AS cache_creation_tokens,
+    sum(uncached_input_tokens) AS uncached_input_tokens,
+    cache_read_tokens / nullIf(cache_read_tokens + cache_creation_tokens + uncached_input_tokens, 0)
+        AS cache_hit_rate,
+    sum(cost_usd) AS cost_usd,
+    sum(rate_limited) AS rate_limited,
+    sum(is_error) AS errors
+FROM loopwatch.llm_calls FINAL
+GROUP BY minute, agent, task_type, model, prompt_version, deployment, traffic_slice;
+
 -- retention
---   events: 30 days by ts (raw events (replay, reprocess, investigations))
+--   events: 30 days by ingested_at (raw events (replay, reprocess, investigations))
 --   dead_letters: 30 days by received_at (refused raw input)
---   llm_calls: 180 days by ts (derived: one row per LLM call)
---   tool_calls: 180 days by ts (derived: one row per tool call)
---   runs: 180 days by last_event_ts (derived: one row per run)
---   labels: 180 days by ts (derived: verdicts)
---   annotations: 180 days by ts (derived: deploys, model and prompt changes)
---   alerts: 180 days by started_at (derived: alert history)
+--   llm_calls: 180 days by ingested_at (derived: one row per LLM call)
+--   tool_calls: 180 days by ingested_at (derived: one row per tool call)
+--   runs: 180 days by ingested_at (derived: one row per run (its last write))
+--   labels: 180 days by ingested_at (derived: verdicts)
+--   annotations: 180 days by ingested_at (derived: deploys, model and prompt changes)
+--   alerts: 180 days by updated_at (derived: alert history (last write))
 --   rule_evaluations: 180 days by evaluated_at (derived: latest evaluations)
 --   capture_parts: 30 days by kept_at (captured payloads of kept runs (replay))
 --   capture_blobs: 30 days by kept_at (captured bodies, once per content hash)
 --   capture_decisions: 30 days by decided_at (why a run's payloads were kept)
 
-ALTER TABLE loopwatch.events_local ON CLUSTER loopwatch MODIFY TTL toDateTime(ts) + INTERVAL 30 DAY;
+ALTER TABLE loopwatch.events_local ON CLUSTER loopwatch MODIFY TTL ingested_at + INTERVAL 30 DAY;
 
-ALTER TABLE loopwatch.llm_calls_local ON CLUSTER loopwatch MODIFY TTL toDateTime(ts) + INTERVAL 180 DAY;
+ALTER TABLE loopwatch.llm_calls_local ON CLUSTER loopwatch MODIFY TTL ingested_at + INTERVAL 180 DAY;
 
-ALTER TABLE loopwatch.tool_calls_local ON CLUSTER loopwatch MODIFY TTL toDateTime(ts) + INTERVAL 180 DAY;
+ALTER TABLE loopwatch.tool_calls_local ON CLUSTER loopwatch MODIFY TTL ingested_at + INTERVAL 180 DAY;
 
-ALTER TABLE loopwatch.runs_local ON CLUSTER loopwatch MODIFY TTL toDateTime(last_event_ts) + INTERVAL 180 DAY;
+ALTER TABLE loopwatch.runs_local ON CLUSTER loopwatch MODIFY TTL ingested_at + INTERVAL 180 DAY;
 
-ALTER TABLE loopwatch.labels_local ON CLUSTER loopwatch MODIFY TTL toDateTime(ts) + INTERVAL 180 DAY;
+ALTER TABLE loopwatch.labels_local ON CLUSTER loopwatch MODIFY TTL ingested_at + INTERVAL 180 DAY;
 
-ALTER TABLE loopwatch.annotations_local ON CLUSTER loopwatch MODIFY TTL toDateTime(ts) + INTERVAL 180 DAY;
+ALTER TABLE loopwatch.annotations_local ON CLUSTER loopwatch MODIFY TTL ingested_at + INTERVAL 180 DAY;
 
-ALTER TABLE loopwatch.dead_letters_local ON CLUSTER loopwatch MODIFY TTL toDateTime(received_at) + INTERVAL 30 DAY;
+ALTER TABLE loopwatch.dead_letters_local ON CLUSTER loopwatch MODIFY TTL received_at + INTERVAL 30 DAY;
 
-ALTER TABLE loopwatch.alerts_local ON CLUSTER loopwatch MODIFY TTL toDateTime(started_at) + INTERVAL 180 DAY;
+ALTER TABLE loopwatch.alerts_local ON CLUSTER loopwatch MODIFY TTL updated_at + INTERVAL 180 DAY;
 
-ALTER TABLE loopwatch.rule_evaluations_local ON CLUSTER loopwatch MODIFY TTL toDateTime(evaluated_at) + INTERVAL 180 DAY;
+ALTER TABLE loopwatch.rule_evaluations_local ON CLUSTER loopwatch MODIFY TTL evaluated_at + INTERVAL 180 DAY;
 
-ALTER TABLE loopwatch.capture_blobs_local ON CLUSTER loopwatch MODIFY TTL toDateTime(kept_at) + INTERVAL 30 DAY;
+ALTER TABLE loopwatch.capture_blobs_local ON CLUSTER loopwatch MODIFY TTL kept_at + INTERVAL 30 DAY;
 
-ALTER TABLE loopwatch.capture_parts_local ON CLUSTER loopwatch MODIFY TTL toDateTime(kept_at) + INTERVAL 30 DAY;
+ALTER TABLE loopwatch.capture_parts_local ON CLUSTER loopwatch MODIFY TTL kept_at + INTERVAL 30 DAY;
 
-ALTER TABLE loopwatch.capture_decisions_local ON CLUSTER loopwatch MODIFY TTL toDateTime(decided_at) + INTERVAL 30 DAY;
+ALTER TABLE loopwatch.capture_decisions_local ON CLUSTER loopwatch MODIFY TTL decided_at + INTERVAL 30 DAY;
+
+-- migrations applied
+
+CREATE TABLE IF NOT EXISTS loopwatch.schema_migrations ON CLUSTER loopwatch
+(
+    name        String,
+    checksum    String,
+    applied_at  DateTime64(3, 'UTC'),
+    how         LowCardinality(String)
+)
+ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/all/{database}/schema_migrations', '{replica}', applied_at)
+ORDER BY name;
+
+INSERT INTO loopwatch.schema_migrations (name, checksum, applied_at, how) VALUES ('001_tables.sql', 'e3eb8a4006cd5d08606a007182ef47cbc4937cd0bda877df524507ad971a83f8', now64(3), 'cluster.sql'), ('002_metric_views.sql', '9202fdc6febff65a49b7334e231875c16badce7fb29714e8e008eb114c1a6938', now64(3), 'cluster.sql'), ('003_alerts.sql', '37bc19c79eb3199bcb64b0204509850f6121b43f116fb0bf1ec75e7afa8fbc04', now64(3), 'cluster.sql'), ('004_gauges.sql', 'a6963d27e10ec99944d4c6c38dd585655525418ebab2439840cf24d124065cab', now64(3), 'cluster.sql'), ('005_capture.sql', '01a58ad02ece43531633d61c90745016f754a71fda3813c1ee4be3c81ba4d1b2', now64(3), 'cluster.sql'), ('006_events_in.sql', '207a5e23d2e481f2f69a034dde938b1e4d8af2aa25817e02bb091bedf6006573', now64(3), 'cluster.sql'), ('007_ingested_at.sql', '4fdee98e014c8e1b8ddd081c7ad87907e4fc7a9acaf8c99af0cb42764c91da70', now64(3), 'cluster.sql'), ('008_minutes.sql', 'c5b704741a8c658771355756948e57c486dc15cfa21c072e0b5d3c98bc2d3981', now64(3), 'cluster.sql');

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from importlib import resources
 from typing import Any, overload
 from urllib.parse import urlparse
 
@@ -18,6 +17,9 @@ from clickhouse_connect.driver.client import Client
 
 from loopwatch.config import Settings
 from loopwatch.store.retention import apply_retention
+from loopwatch.store.schema_versions import apply_migrations
+from loopwatch.store.schema_versions import migrations as migrations  # cluster.py, tests
+from loopwatch.store.schema_versions import statements as statements
 
 READONLY_SETTINGS = {"readonly": 1}
 
@@ -86,33 +88,16 @@ def connect(settings: Settings, database: str | None = None) -> Client:
     return client
 
 
-def migrations() -> list[tuple[str, str]]:
-    """(name, sql) for every migration, in order."""
-    folder = resources.files("loopwatch.store").joinpath("migrations")
-    return sorted(
-        (entry.name, entry.read_text())
-        for entry in folder.iterdir()
-        if entry.name.endswith(".sql")
-    )
-
-
-def statements(sql: str) -> list[str]:
-    """Split a migration into statements (no `;` inside our DDL strings)."""
-    lines = [line for line in sql.splitlines() if not line.lstrip().startswith("--")]
-    return [part.strip() for part in "\n".join(lines).split(";") if part.strip()]
-
-
 def migrate(settings: Settings) -> Client:
-    """Create the database, apply every migration and the retention TTLs
+    """Create the database, apply the migrations it has not recorded yet
+    (:mod:`loopwatch.store.schema_versions`) and the retention TTLs
     (:mod:`loopwatch.store.retention`); safe to run at every start."""
     bootstrap = connect(settings, database="")
     bootstrap.command(f"CREATE DATABASE IF NOT EXISTS {settings.database}")
     client = connect(settings) if settings.clickhouse_url else bootstrap
     if not settings.clickhouse_url:
         client.command(f"USE {settings.database}")
-    for _name, sql in migrations():
-        for statement in statements(sql):
-            client.command(statement)
+    apply_migrations(client, settings.database)
     if settings.apply_retention:
         apply_retention(client, settings)
     return client

@@ -15,8 +15,15 @@ For a sharded, replicated ClickHouse cluster this module rewrites them:
 - a ``Null`` table (an insert-only entry point, e.g. ``events_in``) is created as it is
   on every node, and the materialized view that splits its inserts writes ``TO`` the
   Distributed table, so each node's inserts are sharded like any other rows;
+- ``ALTER TABLE`` (a later migration) runs ``ON CLUSTER`` on ``<name>_local``, and also
+  on the Distributed table when it changes columns (``ADD/MODIFY/DROP/RENAME/COMMENT
+  COLUMN``), so both keep the same columns; other actions (``MATERIALIZE``, ``MODIFY
+  TTL``, ...) concern the stored parts and run on ``_local`` only;
 - a retention section sets TTLs on the ``_local`` tables (the defaults of
-  :data:`loopwatch.store.retention.RETENTION`, which single-node ``migrate`` applies too).
+  :data:`loopwatch.store.retention.RETENTION`, which single-node ``migrate`` applies too);
+- a last section records every migration in ``schema_migrations``
+  (:mod:`loopwatch.store.schema_versions`), replicated to every node, so the processors'
+  own ``migrate`` finds the cluster up to date and applies nothing.
 
 ``python -m loopwatch.store.cluster --cluster NAME [--database loopwatch]`` prints the
 DDL; ``deploy/clickhouse/cluster.sql`` is that output for ``--cluster loopwatch``.
@@ -38,8 +45,15 @@ import re
 import sys
 from dataclasses import dataclass
 
-from loopwatch.store.clickhouse import migrations, statements
 from loopwatch.store.retention import RETENTION, Retention
+from loopwatch.store.schema_versions import (
+    RECORD_COLUMNS,
+    RECORD_TABLE,
+    RECORD_TAIL,
+    checksum,
+    migrations,
+    statements,
+)
 
 __all__ = ["RETENTION", "Retention", "render_cluster_ddl", "render_sql"]
 
@@ -64,6 +78,11 @@ _VIEW = re.compile(r"^CREATE OR REPLACE VIEW (?P<name>\w+) AS\s*(?P<query>.*)$",
 _MATERIALIZED_VIEW = re.compile(
     r"^CREATE MATERIALIZED VIEW IF NOT EXISTS (?P<name>\w+) TO (?P<target>\w+) AS\s*"
     r"(?P<query>.*)$", re.DOTALL)
+_ALTER = re.compile(r"^ALTER TABLE (?P<name>\w+)\s+(?P<action>.*)$", re.DOTALL)
+#: ALTER actions on a table's columns, which its Distributed front table must follow
+_COLUMN_ACTION = re.compile(r"^(ADD|MODIFY|DROP|RENAME|COMMENT) COLUMN\b")
+#: where the migration record is replicated: one replica set over the whole cluster
+RECORD_PATH = "'/clickhouse/tables/all/{database}/" + RECORD_TABLE + "', '{replica}'"
 #: engines that store nothing: created as written on every node, never replicated
 _STORELESS = frozenset({"Null"})
 _ORDER_BY = re.compile(r"ORDER BY\s+(\((?P<many>[^)]*)\)|(?P<one>\w+))")
@@ -125,9 +144,19 @@ class MaterializedView:
     query: str
 
 
-def schema_objects() -> list[Table | View | MaterializedView]:
-    """Every table and view of the migrations, in migration order."""
-    objects: list[Table | View | MaterializedView] = []
+@dataclass(frozen=True)
+class Alter:
+    table: str
+    action: str
+
+    @property
+    def changes_columns(self) -> bool:
+        return bool(_COLUMN_ACTION.match(self.action))
+
+
+def schema_objects() -> list[Table | View | MaterializedView | Alter]:
+    """Every table, view and ALTER of the migrations, in migration order."""
+    objects: list[Table | View | MaterializedView | Alter] = []
     for migration, sql in migrations():
         for statement in statements(sql):
             if table := _TABLE.match(statement):
@@ -139,6 +168,11 @@ def schema_objects() -> list[Table | View | MaterializedView]:
             elif feed := _MATERIALIZED_VIEW.match(statement):
                 objects.append(MaterializedView(feed["name"], feed["target"],
                                                 feed["query"].strip()))
+            elif alter := _ALTER.match(statement):
+                if not any(isinstance(obj, Table) and obj.name == alter["name"]
+                           for obj in objects):
+                    raise ValueError(f"{migration}: ALTER of unknown table {alter['name']}")
+                objects.append(Alter(alter["name"], alter["action"].strip()))
             else:
                 raise ValueError(
                     f"{migration}: cluster.py cannot render this statement yet; teach it "
@@ -169,7 +203,8 @@ def _sections(cluster: str, database: str, single_node: bool
     _check_identifier("database", database)
     on_cluster = "" if single_node else f" ON CLUSTER {cluster}"
     objects = schema_objects()
-    known = {obj.name for obj in objects}
+    known = {obj.name for obj in objects if not isinstance(obj, Alter)}
+    tables = {obj.name: obj for obj in objects if isinstance(obj, Table)}
 
     def qualify(query: str) -> str:
         return _SOURCE.sub(
@@ -177,6 +212,15 @@ def _sections(cluster: str, database: str, single_node: bool
 
     schema = [f"CREATE DATABASE IF NOT EXISTS {database}{on_cluster}"]
     for obj in objects:
+        if isinstance(obj, Alter):
+            if tables[obj.table].engine in _STORELESS:
+                targets = [obj.table]
+            else:
+                targets = [f"{obj.table}{LOCAL_SUFFIX}"] + (
+                    [obj.table] if obj.changes_columns else [])
+            schema.extend(f"ALTER TABLE {database}.{target}{on_cluster} {obj.action}"
+                          for target in targets)
+            continue
         if isinstance(obj, View):
             schema.append(f"CREATE OR REPLACE VIEW {database}.{obj.name}{on_cluster} AS\n"
                           f"{qualify(obj.query)}")
@@ -206,7 +250,15 @@ def _sections(cluster: str, database: str, single_node: bool
         f"MODIFY TTL {RETENTION[obj.name].ttl()}"
         for obj in objects if isinstance(obj, Table) and obj.name in RETENTION
     ]
-    return [("schema", schema), ("retention", retention)]
+    engine = ("ReplacingMergeTree(applied_at)" if single_node
+              else f"ReplicatedReplacingMergeTree({RECORD_PATH}, applied_at)")
+    values = ", ".join(f"('{name}', '{checksum(sql)}', now64(3), 'cluster.sql')"
+                       for name, sql in migrations())
+    record = [f"CREATE TABLE IF NOT EXISTS {database}.{RECORD_TABLE}{on_cluster}\n"
+              f"(\n{RECORD_COLUMNS}\n)\nENGINE = {engine}\n{RECORD_TAIL}",
+              f"INSERT INTO {database}.{RECORD_TABLE} (name, checksum, applied_at, how) "
+              f"VALUES {values}"]
+    return [("schema", schema), ("retention", retention), ("migrations applied", record)]
 
 
 def render_cluster_ddl(cluster: str, database: str, *, single_node: bool = False

@@ -2,6 +2,12 @@
 (``migrate`` applies it as ``ALTER TABLE ... MODIFY TTL``) and the cluster DDL
 (:mod:`loopwatch.store.cluster` renders it onto the ``_local`` tables).
 
+Every rule counts from when loopwatch stored the row (``ingested_at``, or a column the
+writer stamps with its own clock), never from the event's time: imported history is
+kept for its retention too, and an event dated 1900 or 2299 (the contract's range) is
+kept like any other. The TTL is DateTime64 arithmetic (``ingested_at + INTERVAL n
+DAY``), exact over DateTime64's range; ``toDateTime`` would wrap at 2106.
+
 Defaults are :data:`RETENTION`; ``retention_days`` (table -> days) overrides any table,
 and ``capture_retention_days`` sets the kept-payload tables (:data:`CAPTURE_TABLES`).
 Tables with a TTL in their migration (``pipeline_gauges``, the capture staging tables)
@@ -30,11 +36,11 @@ class Retention:
     why: str
 
     def ttl(self) -> str:
-        return f"toDateTime({self.column}) + INTERVAL {self.days} DAY"
+        return f"{self.column} + INTERVAL {self.days} DAY"
 
     def normalized(self) -> str:
         """The TTL as ClickHouse prints it back in ``system.tables.engine_full``."""
-        return f"toDateTime({self.column}) + toIntervalDay({self.days})"
+        return f"{self.column} + toIntervalDay({self.days})"
 
 
 RAW_DAYS = 30
@@ -43,23 +49,29 @@ DERIVED_DAYS = 180
 #: Retention per table. Raw input (events, dead letters) is the bulk of the bytes and
 #: is only needed for replay and investigation: 30 days. Derived tables feed trends and
 #: baselines: 180 days. Tables with a TTL in their migration (``pipeline_gauges``) keep it.
+#: Columns: ``ingested_at`` (migration 007), else the time the writer stored the row
+#: (``received_at``, ``updated_at``, ...): an alert's ``started_at`` is event time.
+INGESTED = "ingested_at"
 RETENTION: dict[str, Retention] = {
-    "events": Retention("ts", RAW_DAYS, "raw events (replay, reprocess, investigations)"),
+    "events": Retention(INGESTED, RAW_DAYS, "raw events (replay, reprocess, investigations)"),
     "dead_letters": Retention("received_at", RAW_DAYS, "refused raw input"),
-    "llm_calls": Retention("ts", DERIVED_DAYS, "derived: one row per LLM call"),
-    "tool_calls": Retention("ts", DERIVED_DAYS, "derived: one row per tool call"),
-    "runs": Retention("last_event_ts", DERIVED_DAYS, "derived: one row per run"),
-    "labels": Retention("ts", DERIVED_DAYS, "derived: verdicts"),
-    "annotations": Retention("ts", DERIVED_DAYS, "derived: deploys, model and prompt changes"),
-    "alerts": Retention("started_at", DERIVED_DAYS, "derived: alert history"),
+    "llm_calls": Retention(INGESTED, DERIVED_DAYS, "derived: one row per LLM call"),
+    "tool_calls": Retention(INGESTED, DERIVED_DAYS, "derived: one row per tool call"),
+    "runs": Retention(INGESTED, DERIVED_DAYS, "derived: one row per run (its last write)"),
+    "labels": Retention(INGESTED, DERIVED_DAYS, "derived: verdicts"),
+    "annotations": Retention(INGESTED, DERIVED_DAYS,
+                             "derived: deploys, model and prompt changes"),
+    "alerts": Retention("updated_at", DERIVED_DAYS, "derived: alert history (last write)"),
     "rule_evaluations": Retention("evaluated_at", DERIVED_DAYS, "derived: latest evaluations"),
     "capture_parts": Retention("kept_at", RAW_DAYS, "captured payloads of kept runs (replay)"),
     "capture_blobs": Retention("kept_at", RAW_DAYS, "captured bodies, once per content hash"),
     "capture_decisions": Retention("decided_at", RAW_DAYS, "why a run's payloads were kept"),
 }
 
-#: ``toDateTime`` ends in 2106: a longer TTL would wrap around and expire everything.
-MAX_DAYS = 10_000
+#: 100 years. The TTL no longer wraps (DateTime64, not ``toDateTime``, which ended in
+#: 2106 and bounded this at 10,000 days); what bounds it now is DateTime64's own end,
+#: 2299-12-31: a row stored before 2199 and kept this long expires inside the range.
+MAX_DAYS = 36_500
 
 #: Follow ``capture_retention_days`` (docs/capture.md).
 CAPTURE_TABLES = ("capture_parts", "capture_blobs", "capture_decisions")

@@ -1,0 +1,215 @@
+"""Versioned migrations (issue 25): numbered, applied once, recorded in the store; a store
+created by main before versioning (tests/fixtures/main_store: its frozen DDL and a
+scripted set of rows, loaded as main's writers wrote them) is upgraded keeping every
+row; the cluster DDL renders the ALTERs ``ON CLUSTER`` and records what it applied.
+
+The fixture is DDL text rather than a chdb directory: it is small, reviewable, and does
+not depend on the on-disk format of the chdb build that wrote it. Real chdb: the
+session's in-process store, a database per test.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from clickhouse_connect.driver.client import Client
+
+from loopwatch.config import Settings
+from loopwatch.store.clickhouse import connect, migrate
+from loopwatch.store.cluster import render_cluster_ddl
+from loopwatch.store.retention import RETENTION, current_ttls
+from loopwatch.store.schema_versions import (
+    BASELINE,
+    RECORD_TABLE,
+    MigrationError,
+    apply_migrations,
+    checksum,
+    migrations,
+    statements,
+)
+
+FIXTURE = Path(__file__).parent / "fixtures" / "main_store"
+
+#: The migrations of every store made before versioning. They are frozen: a change to
+#: the schema is a new migration, never an edit of one that stores have applied.
+BASELINE_SHA256 = {
+    "001_tables.sql": "e3eb8a4006cd5d08606a007182ef47cbc4937cd0bda877df524507ad971a83f8",
+    "002_metric_views.sql": "9202fdc6febff65a49b7334e231875c16badce7fb29714e8e008eb114c1a6938",
+    "003_alerts.sql": "37bc19c79eb3199bcb64b0204509850f6121b43f116fb0bf1ec75e7afa8fbc04",
+    "004_gauges.sql": "a6963d27e10ec99944d4c6c38dd585655525418ebab2439840cf24d124065cab",
+    "005_capture.sql": "01a58ad02ece43531633d61c90745016f754a71fda3813c1ee4be3c81ba4d1b2",
+    "006_events_in.sql": "207a5e23d2e481f2f69a034dde938b1e4d8af2aa25817e02bb091bedf6006573",
+}
+NEW = ["007_ingested_at.sql", "008_minutes.sql"]
+#: tables that gained ingested_at in 007 (events had it)
+GAINED = ("llm_calls", "tool_calls", "runs", "labels", "annotations")
+
+
+def _settings(local_store: tuple[Settings, Client]) -> Settings:
+    base, _ = local_store
+    return Settings(data_dir=base.data_dir, database=f"mig_{uuid.uuid4().hex[:8]}")
+
+
+def _records(client: Client, database: str) -> list[tuple[str, str, str]]:
+    return [tuple(row) for row in client.query(
+        f"SELECT name, checksum, how FROM {database}.{RECORD_TABLE} FINAL ORDER BY name"
+    ).result_rows]
+
+
+def _load_main_store(settings: Settings) -> Client:
+    """A database as main's migrate() left it, with the fixture's rows."""
+    client = connect(settings, database="")
+    client.command(f"CREATE DATABASE {settings.database}")
+    client.command(f"USE {settings.database}")
+    schema = (FIXTURE / "schema.sql").read_text().replace("{database}", settings.database)
+    for statement in statements(schema):
+        client.command(statement)
+    for statement in statements((FIXTURE / "rows.sql").read_text()):
+        client.command(statement)
+    return client
+
+
+def _tables(client: Client, database: str) -> list[str]:
+    return [name for (name,) in client.query(
+        "SELECT name FROM system.tables WHERE database = {d:String} AND "
+        "endsWith(engine, 'MergeTree') AND name != {r:String} ORDER BY name",
+        parameters={"d": database, "r": RECORD_TABLE}).result_rows]
+
+
+def _contents(client: Client, database: str) -> dict[str, list[tuple[Any, ...]]]:
+    """Every row of every table (the columns main had), sorted."""
+    found = {}
+    for table in _tables(client, database):
+        columns = ", ".join(f"toString(`{name}`)" for (name,) in client.query(
+            "SELECT name FROM system.columns WHERE database = {d:String} AND "
+            "table = {t:String} AND NOT (name = 'ingested_at' AND table IN {g:Array(String)})"
+            " ORDER BY position", parameters={"d": database, "t": table, "g": list(GAINED)}
+        ).result_rows)
+        found[table] = sorted(tuple(row) for row in client.query(
+            f"SELECT {columns} FROM {database}.{table}").result_rows)
+    return found
+
+
+def test_the_baseline_migrations_are_frozen():
+    """Editing a released migration in place never reaches existing stores (001 was,
+    twice): its checksum is pinned here, and migrate refuses a store that recorded
+    another text. Migration names are numbered, unique and in order."""
+    texts = dict(migrations())
+    assert {name: checksum(texts[name]) for name in BASELINE} == BASELINE_SHA256
+    names = list(texts)
+    numbers = [int(re.match(r"^(\d{3})_[a-z0-9_]+\.sql$", name)[1]) for name in names]
+    assert numbers == list(range(1, len(names) + 1)), names
+    assert names[len(BASELINE):] == NEW
+
+
+def test_a_new_store_applies_each_migration_once_and_records_it(local_store):
+    settings = _settings(local_store)
+    client = migrate(settings)
+    assert _records(client, settings.database) == [
+        (name, checksum(sql), "applied") for name, sql in migrations()]
+    migrate(settings)
+    assert apply_migrations(client, settings.database) == []
+    assert client.query(f"SELECT count() FROM {settings.database}.{RECORD_TABLE}"
+                        ).result_rows == [(len(migrations()),)]
+
+
+def test_a_store_made_by_main_is_upgraded_and_keeps_every_row(local_store):
+    settings = _settings(local_store)
+    old = _load_main_store(settings)
+    before = _contents(old, settings.database)
+    assert {table: len(rows) for table, rows in before.items()} == {
+        "alerts": 1, "annotations": 1, "capture_blobs": 1, "capture_decisions": 1,
+        "capture_parts": 1, "capture_staging": 1, "capture_staging_blobs": 1,
+        "dead_letters": 1, "events": 3, "labels": 1, "llm_calls": 2, "pipeline_gauges": 1,
+        "rule_evaluations": 1, "runs": 3, "tool_calls": 1}
+    started = datetime.now(UTC).replace(tzinfo=None)
+    client = migrate(settings)
+    upgraded = datetime.now(UTC).replace(tzinfo=None)
+
+    assert _records(client, settings.database) == [
+        *((name, BASELINE_SHA256[name], "baseline") for name in BASELINE),
+        *((name, checksum(dict(migrations())[name]), "applied") for name in NEW)]
+    assert _contents(client, settings.database) == before
+    for table in GAINED:  # old rows: the time of the upgrade, written once
+        sql = f"SELECT DISTINCT ingested_at FROM {table} ORDER BY ingested_at"
+        stamps = client.query(sql).result_rows
+        assert stamps and all(started <= stamp <= upgraded for (stamp,) in stamps), table
+        assert client.query(sql).result_rows == stamps, f"{table}.ingested_at is " \
+            "evaluated at each read"
+    ttls = current_ttls(client, settings.database)
+    assert {table: ttls[table] for table in RETENTION} == {
+        table: rule.normalized() for table, rule in RETENTION.items()}
+    assert ttls["pipeline_gauges"] == "ts + toIntervalDay(30)"
+    minutes = client.query("SELECT (SELECT toTypeName(minute) FROM outcomes_1m LIMIT 1), "
+                           "(SELECT toTypeName(minute) FROM tool_metrics_1m LIMIT 1)")
+    assert minutes.result_rows == [("Nullable(DateTime64(3, 'UTC'))", "DateTime64(3, 'UTC')")]
+    assert client.query("SELECT run_id, outcome, version FROM runs FINAL ORDER BY run_id"
+                        ).result_rows == [("fx-run-0", "wrong", 3), ("fx-run-1", "success", 2)]
+
+    assert apply_migrations(client, settings.database) == []
+    migrate(settings)
+    assert len(_records(client, settings.database)) == len(BASELINE) + len(NEW)
+    for table in _tables(client, settings.database):
+        client.command(f"OPTIMIZE TABLE {table} FINAL")
+    after = _contents(client, settings.database)
+    before["runs"] = [row for row in before["runs"] if row[9] != "running"]  # FINAL: v1 gone
+    assert after == before, "a TTL merge dropped an upgraded row"
+
+
+def test_a_migration_edited_after_it_was_applied_is_refused(local_store):
+    settings = _settings(local_store)
+    client = migrate(settings)
+    client.command(f"INSERT INTO {settings.database}.{RECORD_TABLE} (name, checksum, "
+                   "applied_at, how) VALUES ('001_tables.sql', 'e1ded', now64(3) + 1, 'x')")
+    with pytest.raises(MigrationError, match=r"^migration 001_tables\.sql was applied to "
+                       rf"store {settings.database} with another text \(checksum e1ded, "):
+        migrate(settings)
+
+
+def test_the_single_node_cluster_ddl_upgrades_and_records_what_it_applied(local_store):
+    """The cluster form (here its single-node rendering, which chdb runs) creates the
+    tables, applies the ALTERs to the local and the front tables, and records every
+    migration: the processors' migrate then applies nothing."""
+    settings = _settings(local_store)
+    client = connect(settings, database="")
+    for statement in render_cluster_ddl("unused", settings.database, single_node=True):
+        client.command(statement)
+    for table in (*GAINED, "events"):
+        for name in (table, f"{table}_local"):
+            default = client.query(
+                "SELECT default_expression FROM system.columns WHERE database = {d:String}"
+                " AND table = {t:String} AND name = 'ingested_at'",
+                parameters={"d": settings.database, "t": name}).result_rows
+            assert default == [("now64(3)",)], name
+    assert [name for name, _digest, how in _records(client, settings.database)
+            if how == "cluster.sql"] == [name for name, _ in migrations()]
+    migrated = connect(settings)
+    assert apply_migrations(migrated, settings.database) == []
+    ttl = client.query("SELECT engine_full FROM system.tables WHERE database = {d:String} "
+                       "AND name = 'llm_calls_local'", parameters={"d": settings.database}
+                       ).result_rows[0][0]
+    assert "TTL ingested_at + toIntervalDay(180)" in ttl
+    client.command(f"DROP DATABASE {settings.database}")
+
+
+def test_the_cluster_ddl_alters_local_and_distributed_tables_on_cluster():
+    ddl = render_cluster_ddl("prod", "lw")
+    column = ("ADD COLUMN IF NOT EXISTS ingested_at DateTime64(3, 'UTC') DEFAULT now64(3) "
+              "CODEC(ZSTD(1))")
+    for table in GAINED:
+        assert f"ALTER TABLE lw.{table}_local ON CLUSTER prod {column}" in ddl
+        assert f"ALTER TABLE lw.{table} ON CLUSTER prod {column}" in ddl
+        assert (f"ALTER TABLE lw.{table}_local ON CLUSTER prod MATERIALIZE COLUMN "
+                "ingested_at SETTINGS mutations_sync = 2") in ddl
+        assert not any(s.startswith(f"ALTER TABLE lw.{table} ON CLUSTER prod MATERIALIZE")
+                       for s in ddl), "a mutation on a Distributed table"
+    assert "ALTER TABLE lw.pipeline_gauges_local ON CLUSTER prod MODIFY TTL ts + INTERVAL " \
+           "30 DAY" in ddl
+    record = next(s for s in ddl if s.startswith(f"CREATE TABLE IF NOT EXISTS lw.{RECORD_TABLE}"))
+    assert "ReplicatedReplacingMergeTree('/clickhouse/tables/all/{database}/" \
+           "schema_migrations', '{replica}', applied_at)" in record

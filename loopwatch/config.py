@@ -15,7 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ingest.events import TEST_TRAFFIC_SLICES
-from loopwatch.masking import safe_url
+from loopwatch.masking import safe_address, safe_url
 
 
 def default_data_dir() -> Path:
@@ -183,10 +183,11 @@ class Settings(BaseSettings):
             return None
         for part in value.split(","):
             host, _, port = part.strip().rpartition(":")
-            if not host or not port.isdigit():
+            if not host or not port.isdigit() or "@" in host or "/" in host:
+                shown = ",".join(safe_address(p.strip()) for p in value.split(","))
                 raise ValueError(
-                    f"LOOPWATCH_KAFKA_BOOTSTRAP must be host:port[,host:port] (got {value!r})"
-                )
+                    f"LOOPWATCH_KAFKA_BOOTSTRAP must be host:port[,host:port] (got {shown!r}"
+                    "; an address holds no user or password)")
         return value
 
     @model_validator(mode="after")

@@ -19,6 +19,7 @@ than ``http.server``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import tempfile
@@ -155,7 +156,9 @@ class StoreService:
         self._lock = threading.Lock()
         self._status = status
         self._service_file = service_file
-        self.socket_path = bindable_socket(socket_path or service_file.with_name("service.sock"))
+        wanted = socket_path or service_file.with_name("service.sock")
+        self.socket_path = bindable_socket(wanted)
+        self._temporary = self.socket_path.parent if self.socket_path != wanted else None
         self._server: Any = None
         self._thread: threading.Thread | None = None
 
@@ -189,6 +192,9 @@ class StoreService:
             self._server.should_exit = True
             self._thread.join(10)
         self.socket_path.unlink(missing_ok=True)
+        if self._temporary is not None:
+            with contextlib.suppress(OSError):
+                self._temporary.rmdir()
 
     def query(self, sql: str, parameters: dict[str, Any]) -> dict[str, Any]:
         with self._lock:

@@ -66,7 +66,7 @@ def safe_address(address: str) -> str:
     """
     if "://" in address:
         return safe_url(address)
-    user, at, host = address.rpartition("@")
+    _user, at, host = address.rpartition("@")
     return f"{MASK}@{host}" if at else address
 
 

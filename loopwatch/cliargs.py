@@ -88,9 +88,8 @@ def report(exc: BaseException, debug: bool) -> int:
     """Print ``exc`` by the contract and return the exit code."""
     if isinstance(exc, _CLICK_EXCEPTION):
         code = int(getattr(exc, "exit_code", 2))
-        if type(exc).__name__ == "NoArgsIsHelpError":  # bare `loopwatch`: the help
-            exc.show()  # type: ignore[attr-defined]
-            return code
+        if type(exc).__name__ == "NoArgsIsHelpError":  # bare `loopwatch`: typer has
+            return code  # printed the help already
         context = getattr(exc, "ctx", None)
         hint = f" (see `{context.command_path} --help`)" if context is not None else ""
         message, exit_code = f"{exc.format_message()}{hint}", code  # type: ignore[attr-defined]

@@ -142,3 +142,11 @@ def test_a_bootstrap_with_credentials_is_refused_without_echoing_them(tmp_path):
                            LOOPWATCH_KAFKA_BOOTSTRAP=bootstrap)
         assert_contract(result, 2)
         assert "LOOPWATCH_KAFKA_BOOTSTRAP must be host:port[,host:port]" in result.stderr
+
+
+@pytest.mark.parametrize("group", [[], ["dlq"], ["scenario"]], ids=["loopwatch", "dlq",
+                                                                      "scenario"])
+def test_a_bare_command_group_prints_its_help_and_nothing_on_stderr(group, tmp_path):
+    result = loopwatch(group, tmp_path)
+    assert result.returncode == 2 and result.stderr == ""
+    assert "Usage:" in result.stdout and "Commands" in result.stdout

@@ -17,11 +17,17 @@ narrowed to them).
 >>> os.umask(old) and None
 >>> [oct(mode(p)) for p in (root / "a", folder, folder / "f.json", folder / "log")]
 ['0o700', '0o700', '0o600', '0o600']
+>>> private_dir(folder / "f.json")  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+NotADirectoryError: [Errno 20] not a directory: '...f.json'
+>>> oct(mode(folder / "f.json"))
+'0o600'
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -50,6 +56,8 @@ def private_dir(path: Path) -> Path:
         with contextlib.suppress(FileExistsError):  # another process made it meanwhile
             folder.mkdir(mode=DIR_MODE)
         os.chmod(folder, DIR_MODE)
+    if not path.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
     if mode(path) != DIR_MODE:
         os.chmod(path, DIR_MODE)
     return path

@@ -55,10 +55,11 @@ def settings_from(data_dir: Path | None, **overrides: Any) -> Settings:
     try:
         return load_settings(data_dir=data_dir, **overrides)
     except ValidationError as exc:
-        for error in exc.errors():
-            where = ".".join(str(part) for part in error["loc"])
-            console.print(f"[red]invalid setting {where}:[/red] {error['msg']}",
-                          markup=True, highlight=False)
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}"
+            for error in exc.errors())
+        console.print(f"[red]invalid setting[/red] {' '.join(problems.split())}",
+                      markup=True, highlight=False)
         raise typer.Exit(2) from None
 
 

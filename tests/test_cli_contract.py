@@ -150,3 +150,12 @@ def test_a_bare_command_group_prints_its_help_and_nothing_on_stderr(group, tmp_p
     result = loopwatch(group, tmp_path)
     assert result.returncode == 2 and result.stderr == ""
     assert "Usage:" in result.stdout and "Commands" in result.stdout
+
+
+def test_several_invalid_settings_are_still_one_line(tmp_path):
+    result = loopwatch(["query", "SELECT 1"], tmp_path, LOOPWATCH_PARTITIONS="0",
+                       LOOPWATCH_CLICKHOUSE_URL="ftp://db:21", LOOPWATCH_CAPTURE="maybe")
+    assert_contract(result, 2)
+    assert result.stderr.startswith("invalid setting ")
+    assert [name in result.stderr for name in ("partitions", "clickhouse_url", "capture")] == [
+        True, True, True]

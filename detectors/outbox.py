@@ -8,7 +8,6 @@ restart picks up where the last process stopped. Receivers dedup by fingerprint.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import uuid
@@ -21,6 +20,7 @@ import orjson
 
 from detectors.notify import DeliveryError, Notifier
 from loopwatch.masking import mask_secrets
+from loopwatch.privatefs import write_private
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +64,8 @@ class Outbox:
                           "kept in memory only", self.path, len(self._entries))
 
     def _write_entries(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = self.path.with_suffix(".tmp")
-        with temporary.open("wb") as handle:
-            handle.write(b"".join(orjson.dumps(asdict(e), default=str) + b"\n"
-                                  for e in self._entries))
-            handle.flush()
-            os.fsync(handle.fileno())
-        temporary.replace(self.path)
+        write_private(self.path, b"".join(orjson.dumps(asdict(e), default=str) + b"\n"
+                                          for e in self._entries))
 
     @property
     def pending(self) -> int:

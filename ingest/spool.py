@@ -12,6 +12,8 @@ import os
 import threading
 from pathlib import Path
 
+from loopwatch.privatefs import append_private, private_dir
+
 
 class DiskSpool:
     def __init__(self, directory: Path, max_bytes: int) -> None:
@@ -20,7 +22,7 @@ class DiskSpool:
         self.path = directory / "spool.jsonl"
         self._lock = threading.Lock()
         self.dropped = 0
-        directory.mkdir(parents=True, exist_ok=True)
+        private_dir(directory)
 
     def size(self) -> int:
         try:
@@ -39,7 +41,7 @@ class DiskSpool:
                 kept.append(line)
                 room -= len(line) + 1
             if kept:
-                with self.path.open("ab") as spool:
+                with append_private(self.path) as spool:
                     spool.write(b"".join(line + b"\n" for line in kept))
                     spool.flush()
                     os.fsync(spool.fileno())

@@ -12,10 +12,18 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from loopwatch.cliargs import DataDir, JsonFlag, console, settings_from
+from loopwatch.cliargs import (
+    DataDir,
+    DebugFlag,
+    ErrorContract,
+    JsonFlag,
+    UsageError,
+    console,
+    settings_from,
+)
 from loopwatch.render import fitted
 
-app = typer.Typer(no_args_is_help=True, add_completion=False,
+app = typer.Typer(cls=ErrorContract, no_args_is_help=True, add_completion=False,
                   help="Streaming observability and anomaly detection for LLM agent fleets.")
 dlq_app = typer.Typer(no_args_is_help=True,
                       help="Dead letters: input the pipeline refused or failed on.")
@@ -24,6 +32,11 @@ scenario_app = typer.Typer(no_args_is_help=True,
                            help="Incident scenarios: inject failure modes, score the alerting.")
 app.add_typer(scenario_app, name="scenario")
 out = Console()
+
+
+@app.callback()
+def root(debug: DebugFlag = False) -> None:
+    """Options for every command (the error contract reads ``--debug``: loopwatch.cliargs)."""
 
 
 def print_table(columns: list[str], rows: list[list[Any]], title: str | None = None) -> None:
@@ -68,12 +81,7 @@ def worker(data_dir: DataDir = None) -> None:
     """An extra processor: joins the consumer group and shares the partitions."""
     from loopwatch.runtime import run_worker
 
-    settings = settings_from(data_dir)
-    try:
-        run_worker(settings)
-    except RuntimeError as exc:
-        console.print(f"[red]{exc}[/red]")
-        raise typer.Exit(2) from None
+    run_worker(settings_from(data_dir))  # no owner to write through: a runtime error, exit 1
 
 
 @app.command()
@@ -125,13 +133,24 @@ def investigate(
         console.print(f"[red]unknown investigation {name!r}[/red]; one of: {', '.join(known)}")
         raise typer.Exit(2)
     chosen = known[name]
-    values = {"agent": agent, **dict(item.split("=", 1) for item in param or [])}
+    values = {"agent": agent, **_key_values(param or [])}
     missing = [key for key in chosen.parameters if key not in values]
     if missing:
         console.print(f"[red]{name} needs --param {missing[0]}=...[/red]")
         raise typer.Exit(2)
     _print_query(data_dir, chosen.sql, {k: values[k] for k in chosen.parameters}, as_json,
                  title=chosen.purpose)
+
+
+def _key_values(items: list[str]) -> dict[str, str]:
+    """``--param KEY=VALUE`` options as a dict; anything else is a usage error."""
+    values: dict[str, str] = {}
+    for item in items:
+        key, equals, value = item.partition("=")
+        if not equals or not key.strip():
+            raise UsageError(f"--param takes KEY=VALUE, e.g. run_id=abc (got {item!r})")
+        values[key.strip()] = value
+    return values
 
 
 def _print_query(data_dir: Path | None, sql: str, parameters: dict[str, Any], as_json: bool,

@@ -15,7 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ingest.events import TEST_TRAFFIC_SLICES
-from loopwatch.masking import safe_url
+from loopwatch.masking import safe_address, safe_url
 
 
 def default_data_dir() -> Path:
@@ -123,8 +123,6 @@ class Settings(BaseSettings):
 
     spool_max_bytes: int = Field(256 * 1024 * 1024, ge=1024)
     sink_retry_s: float = Field(1.0, gt=0)
-    service_host: str = "127.0.0.1"
-    service_port: int = Field(0, ge=0, le=65535, description="0 = a free port")
     session_timeout_s: float = Field(10.0, gt=0)
     drain_timeout_s: float = Field(
         60.0, ge=0, description="on SIGTERM a worker goes on consuming until its group "
@@ -185,10 +183,11 @@ class Settings(BaseSettings):
             return None
         for part in value.split(","):
             host, _, port = part.strip().rpartition(":")
-            if not host or not port.isdigit():
+            if not host or not port.isdigit() or "@" in host or "/" in host:
+                shown = ",".join(safe_address(p.strip()) for p in value.split(","))
                 raise ValueError(
-                    f"LOOPWATCH_KAFKA_BOOTSTRAP must be host:port[,host:port] (got {value!r})"
-                )
+                    f"LOOPWATCH_KAFKA_BOOTSTRAP must be host:port[,host:port] (got {shown!r}"
+                    "; an address holds no user or password)")
         return value
 
     @model_validator(mode="after")
@@ -216,6 +215,12 @@ class Settings(BaseSettings):
     def service_file(self) -> Path:
         """Where a running ``loopwatch up`` publishes its store-service address."""
         return self.data_dir / "service.json"
+
+    @property
+    def service_socket(self) -> Path:
+        """The store service's Unix socket (0600 in the 0700 data dir; a too-long path
+        gets a private temporary folder, named in :attr:`service_file`)."""
+        return self.data_dir / "service.sock"
 
     def loop_for(self, task_type: str) -> LoopDetectorSettings:
         return self.loop_by_task_type.get(task_type, self.loop)

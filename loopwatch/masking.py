@@ -13,6 +13,8 @@ exception goes through :func:`safe_url` or :func:`mask_secrets` first.
 >>> mask_secrets("POST https://hooks.slack.com/services/T0/B0/s3cr3t failed: key s3cr3t",
 ...              ["s3cr3t"])
 'POST https://hooks.slack.com/… failed: key ***'
+>>> mask_secrets("refused (http://127.0.0.1:9)")
+'refused (http://127.0.0.1:9)'
 """
 
 from __future__ import annotations
@@ -44,6 +46,30 @@ def safe_url(url: str | None) -> str:
     return shown + "/…" if rest else shown
 
 
+def _safe_match(match: re.Match[str]) -> str:
+    """A URL found in text, cut; punctuation that closes the sentence around it, as in
+    ``(http://host:9)``, stays outside it."""
+    url = match[0]
+    core = url.rstrip(").,;:]}")
+    return safe_url(core) + url[len(core):]
+
+
+def safe_address(address: str) -> str:
+    """A Kafka ``host:port`` as given, without credentials: a ``user:password@`` part
+    (which Kafka does not take, but a user may paste from a URL) becomes ``***@``, and a
+    URL is cut by :func:`safe_url`.
+
+    >>> safe_address("user:pw@broker:9092"), safe_address("kafka://u:p@b:9092/x")
+    ('***@broker:9092', 'kafka://b:9092/…')
+    >>> safe_address("broker:9092")
+    'broker:9092'
+    """
+    if "://" in address:
+        return safe_url(address)
+    _user, at, host = address.rpartition("@")
+    return f"{MASK}@{host}" if at else address
+
+
 def secret_values(settings: Any) -> list[str]:
     """The secret strings a settings object carries (loopwatch or OTLP settings)."""
     values: list[str] = []
@@ -71,7 +97,7 @@ def mask_secrets(text: str, secrets: Iterable[str] = ()) -> str:
     for secret in sorted({s for s in secrets if len(s) >= 4}, key=len, reverse=True):
         if "://" not in secret:
             text = text.replace(secret, MASK)
-    text = _URL.sub(lambda match: safe_url(match[0]), text)
+    text = _URL.sub(_safe_match, text)
     for secret in secrets:
         if len(secret) >= 4 and "://" in secret:
             text = text.replace(secret, MASK)

@@ -33,6 +33,7 @@ from loopwatch.config import Settings
 from loopwatch.deadletters import replay_pending
 from loopwatch.embedded.broker import EmbeddedBroker
 from loopwatch.masking import safe_url
+from loopwatch.privatefs import PRIVATE_UMASK, private_dir
 from loopwatch.reprocess import reprocess_with
 from loopwatch.store.clickhouse import connect, migrate
 from loopwatch.store.reader import DirectReader, Reader, ServiceReader, running_service
@@ -207,6 +208,7 @@ INSERTABLE = frozenset({"events", "events_in", "llm_calls", "tool_calls", "runs"
 def run_worker(settings: Settings, loglevel: str = "warning") -> None:
     """An extra processor process: the same faust app in the same consumer group, writing
     through the store owner (embedded) or straight to the ClickHouse server."""
+    os.umask(PRIVATE_UMASK)
     stop_requested = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop_requested.set())
@@ -318,7 +320,8 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
            loglevel: str = "warning", otlp_port: int | None = None) -> None:
     """Run until SIGINT/SIGTERM. ``on_ready`` gets the announcement (bootstrap, store, url);
     ``on_status`` gets the pipeline's counters every few seconds while they change."""
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    os.umask(PRIVATE_UMASK)
+    private_dir(settings.data_dir)
     stop_requested = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop_requested.set())
@@ -367,8 +370,7 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
         raw_actions = {INSERT_PATH.removeprefix("/admin/"):
                        _insert_action(lambda: connect(settings))}
         service = StoreService(connect(settings), status, settings.service_file,
-                               settings.service_host, settings.service_port, actions,
-                               raw_actions)
+                               settings.service_socket, actions, raw_actions)
         announcement = {"kafka_bootstrap": bootstrap, "store": store,
                         "otlp_url": receiver.url if receiver else None,
                         "events_topic": settings.events_topic,

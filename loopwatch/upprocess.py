@@ -14,6 +14,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from loopwatch.privatefs import append_private, private_dir
 from loopwatch.processes import terminate
 from loopwatch.store.reader import ServiceReader, running_service
 
@@ -41,8 +42,8 @@ class UpProcess:
             return self
         settings = load_settings(data_dir=self.data_dir)
         log_dir = self.data_dir / "logs"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        with (log_dir / "up.log").open("ab") as log:
+        private_dir(log_dir)
+        with append_private(log_dir / "up.log") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "loopwatch.cli", "up"],
                 env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

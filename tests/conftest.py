@@ -6,6 +6,7 @@ Tests isolate themselves by agent name (``agent`` fixture), never by fresh servi
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import time
@@ -31,6 +32,10 @@ from processors.sink import RowBatch, encode_rows
 from tests.receivers import Receiver
 
 T = TypeVar("T")
+
+# The usual umask, whatever the machine's: a file loopwatch creates group- or
+# world-readable shows as such (tests/test_service_auth.py checks the data dirs).
+os.umask(0o022)
 
 PIPELINE_ENV = {
     "LOOPWATCH_ABANDON_TTL_S": "6",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import urllib.error
+import socket
 import uuid
 from pathlib import Path
 
@@ -21,9 +21,9 @@ from ingest.events import Step
 from ingest.sdk import Emitter, RunContext
 from ingest.wire import encode_event
 from loopwatch.config import Settings
-from loopwatch.embedded.broker import EmbeddedBroker, free_port
+from loopwatch.embedded.broker import EmbeddedBroker
 from loopwatch.runtime import _store_callbacks
-from loopwatch.store.reader import ServiceReader
+from loopwatch.store.reader import ServiceReader, ServiceUnreachable
 from processors.app import Processor
 from processors.pipeline import RawMessage
 from processors.runs import RunState, seen_ids
@@ -131,11 +131,13 @@ def test_a_sweep_pass_that_cannot_reach_the_store_is_logged_and_tried_again(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch):
     """The sweep runs in a faust timer, where an exception crashes the app (and in
     ``loopwatch up`` the embedded broker and its memory with it). A worker whose store
-    service does not answer (a port nothing listens on: a real refused connection)
+    service does not answer (a socket nothing listens on: a real refused connection)
     cannot read the open runs it would adopt after an assignment: each pass logs that
     and returns, and the next pass asks again. No faust worker runs here, so the test
     says the table is recovered and which partitions the worker was assigned."""
-    unreachable = ServiceReader(f"http://127.0.0.1:{free_port()}")
+    gone = tmp_path / "service.sock"  # left by an owner that was killed
+    socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).bind(str(gone))
+    unreachable = ServiceReader(f"unix:{gone}")
     open_runs, lookup_run = _store_callbacks(unreachable)
     asked: list[int] = []
 
@@ -155,4 +157,4 @@ def test_a_sweep_pass_that_cannot_reach_the_store_is_logged_and_tried_again(
                 if record.getMessage().startswith("the sweep failed")]
     assert len(failures) == 2
     assert failures[0].exc_info is not None
-    assert isinstance(failures[0].exc_info[1], urllib.error.URLError)
+    assert isinstance(failures[0].exc_info[1], ServiceUnreachable)

@@ -92,7 +92,6 @@ def test_web_view_otlp_receiver_and_store_service_bind_loopback_by_default(local
     finally:
         server.server_close()
     assert OtlpSettings().host == "127.0.0.1"
-    assert Settings().service_host == "127.0.0.1"
 
 
 # -- secrets ----------------------------------------------------------------------------

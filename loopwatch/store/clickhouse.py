@@ -16,6 +16,7 @@ import clickhouse_connect
 from clickhouse_connect.driver.client import Client
 
 from loopwatch.config import Settings
+from loopwatch.privatefs import private_dir
 from loopwatch.store.retention import apply_retention
 from loopwatch.store.schema_versions import apply_migrations
 from loopwatch.store.schema_versions import migrations as migrations  # cluster.py, tests
@@ -81,7 +82,7 @@ def connect(settings: Settings, database: str | None = None) -> Client:
             secure=url.scheme == "https",
             database=database or (url.path.strip("/") or "default"),
         )
-    settings.chdb_path.mkdir(parents=True, exist_ok=True)
+    private_dir(settings.chdb_path)
     client = clickhouse_connect.get_client(dsn=f"chdb://{settings.chdb_path}")
     if database:
         client.command(f"USE {database}")

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import logging
 import os
-import urllib.error
-import urllib.request
 from datetime import datetime
 from typing import Any, Protocol
 
+import httpx
 import orjson
 from clickhouse_connect.driver.client import Client
 
@@ -47,23 +46,73 @@ class DirectReader:
             raise QueryError(str(exc).strip().splitlines()[0]) from exc
 
 
+class ServiceUnreachable(ConnectionError):
+    """The store service did not answer (not running, gone, or too slow)."""
+
+
 class ServiceReader:
-    """Queries a running ``loopwatch up`` over its loopback store service.
+    """Queries a running ``loopwatch up`` over its store service (a Unix socket, whose
+    address the data dir's ``service.json`` names as ``unix:<path>``).
 
     ``follow`` (the data dir's settings) is for long-lived clients, the extra workers: a
-    request the service refuses to connect is tried once more at the URL the data dir's
-    announcement names now, since a restarted ``loopwatch up`` listens on a new port.
+    request the service refuses to connect is tried once more at the address the data
+    dir's announcement names now (the socket lives in the data dir, so it moves only
+    when that path is too long for a socket and ``up`` binds a temporary one).
     """
 
     def __init__(self, url: str, timeout_s: float = 60.0, follow: Settings | None = None
                  ) -> None:
-        self.url = url.rstrip("/")
         self._timeout_s = timeout_s
         self._follow = follow
+        self._client: httpx.Client | None = None
+        self.url = url
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    @url.setter
+    def url(self, value: str) -> None:
+        value = value.rstrip("/")
+        if value != getattr(self, "_url", None):
+            self._url, self._client = value, None
+
+    def _http(self) -> httpx.Client:
+        """One keep-alive client per address; ``unix:<path>`` goes over that socket."""
+        client = self._client
+        if client is None:
+            from loopwatch.store.service import SERVICE_HOST, UNIX_SCHEME
+
+            if self.url.startswith(UNIX_SCHEME):
+                transport = httpx.HTTPTransport(uds=self.url.removeprefix(UNIX_SCHEME))
+                base = f"http://{SERVICE_HOST}"
+            else:
+                transport, base = httpx.HTTPTransport(), self.url
+            client = self._client = httpx.Client(
+                transport=transport, base_url=base,
+                timeout=httpx.Timeout(self._timeout_s, connect=5.0))
+        return client
+
+    def _request(self, method: str, path: str, data: bytes | None = None,
+                 content_type: str | None = None, timeout_s: float | None = None) -> bytes:
+        headers = {"Content-Type": content_type} if content_type else {}
+        try:
+            response = self._http().request(
+                method, path, content=data, headers=headers,
+                timeout=httpx.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s)
+        except httpx.TransportError as exc:
+            raise ServiceUnreachable(f"the store service at {self.url} did not answer: "
+                                     f"{exc or type(exc).__name__}") from exc
+        if response.status_code != 200:
+            try:
+                message = str(orjson.loads(response.content).get("error"))
+            except (orjson.JSONDecodeError, AttributeError):
+                message = f"HTTP {response.status_code}"
+            raise QueryError(message)
+        return response.content
 
     def health(self) -> dict[str, Any]:
-        with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
-            return dict(orjson.loads(response.read()))
+        return dict(orjson.loads(self._request("GET", "/health", timeout_s=5.0)))
 
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         return dict(orjson.loads(self.send(path, orjson.dumps(body, default=str),
@@ -71,22 +120,13 @@ class ServiceReader:
 
     def send(self, path: str, data: bytes, content_type: str) -> bytes:
         """POST ``data`` and return the answer; the service's refusal is a
-        :class:`QueryError` with its message."""
+        :class:`QueryError` with its message, no answer a :class:`ServiceUnreachable`."""
         try:
-            return self._send_once(path, data, content_type)
-        except urllib.error.URLError:
-            if not self._moved():
+            return self._request("POST", path, data, content_type)
+        except ServiceUnreachable as exc:
+            if not isinstance(exc.__cause__, httpx.ConnectError) or not self._moved():
                 raise
-            return self._send_once(path, data, content_type)
-
-    def _send_once(self, path: str, data: bytes, content_type: str) -> bytes:
-        request = urllib.request.Request(f"{self.url}{path}", data=data,
-                                         headers={"Content-Type": content_type})
-        try:
-            with urllib.request.urlopen(request, timeout=self._timeout_s) as response:
-                return bytes(response.read())
-        except urllib.error.HTTPError as exc:
-            raise QueryError(orjson.loads(exc.read()).get("error", str(exc))) from exc
+            return self._request("POST", path, data, content_type)
 
     def _moved(self) -> bool:
         """Whether the followed announcement now names another live service (then
@@ -95,7 +135,7 @@ class ServiceReader:
         if announced is None or announced["url"].rstrip("/") == self.url:
             return False
         log.warning("the store service moved from %s to %s", self.url, announced["url"])
-        self.url = announced["url"].rstrip("/")
+        self.url = announced["url"]
         return True
 
     def query(self, sql: str, parameters: dict[str, Any] | None = None) -> QueryResult:
@@ -129,7 +169,7 @@ def running_service(settings: Settings) -> dict[str, Any] | None:
         return None
     try:
         ServiceReader(announced["url"]).health()
-    except OSError:
+    except (OSError, QueryError):
         return None
     return announced
 

@@ -1,0 +1,161 @@
+"""The CLI's error contract, for every command: a user's error is one line on stderr,
+a usage error exits 2 and a runtime error 1, and ``--debug`` / ``LOOPWATCH_DEBUG=1``
+adds the traceback (loopwatch.cliargs.ErrorContract).
+
+Each command is run as a user runs it (a child ``python -m loopwatch.cli``) against a
+store and a broker that refuse connections (closed loopback ports), or with an argument
+it cannot take. The command list is read from the CLI itself: a new command fails
+``test_every_command_has_a_hostile_case`` until it gets a case here.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import typer
+
+from loopwatch.cli import app
+from loopwatch.embedded.broker import free_port
+
+SECRET = "S3cr3tPw-in-url"
+CLOSED = free_port()  # nothing listens: a refused connection
+
+
+def commands() -> list[str]:
+    def walk(command: object, path: tuple[str, ...]) -> Iterator[str]:
+        subcommands = getattr(command, "commands", None)
+        if subcommands:
+            for name, sub in sorted(subcommands.items()):
+                yield from walk(sub, (*path, name))
+        else:
+            yield " ".join(path)
+
+    return list(walk(typer.main.get_command(app), ()))
+
+
+#: command -> (arguments, the exit code the contract requires). Usage errors (2) are
+#: arguments the command cannot take; runtime errors (1) meet the refusing store/broker.
+CASES: dict[str, tuple[list[str], int]] = {
+    "alerts": ([], 1),
+    "bench": (["--events", "many"], 2),
+    "dashboards deploy": (["--url", f"http://127.0.0.1:{CLOSED}", "--token", SECRET], 1),
+    "dashboards export": (["/proc/no/such/folder"], 1),
+    "demo": (["--rate", "fast"], 2),
+    "detect": ([], 1),
+    "detect-csv": (["--detector", "no_such_detector"], 2),
+    "diff": (["run-a", "run-b"], 1),
+    "dlq list": ([], 1),
+    "dlq replay": ([], 1),
+    "economics": (["some-agent"], 1),
+    "ingest file": (["/proc/no/such/file.jsonl"], 2),
+    "ingest serve": (["--port", "99999999"], 2),
+    "ingest transcript": (["/proc/no/such/transcript.jsonl"], 2),
+    "investigate": (["top_cost_runs"], 1),
+    "playbook": (["agent_stuck_in_loop"], 1),
+    "query": (["SELECT 1"], 1),
+    "replay": (["some-run"], 1),
+    "reprocess": (["--since", "2000-01-01"], 1),
+    "scenario list": (["unexpected-argument"], 2),
+    "scenario run": (["no_such_scenario"], 2),
+    "scenario score": (["--days", "a-week"], 2),
+    "schema": (["/proc/no/such/dir/schema.json"], 1),
+    "serve": ([], 1),
+    "up": ([], 1),
+    "worker": ([], 1),
+}
+
+#: more hostile inputs the issue names
+EXTRA_CASES: list[tuple[list[str], int]] = [
+    (["investigate", "top_cost_runs", "--param", "foo"], 2),
+    (["investigate", "top_cost_runs", "--param", "=value"], 2),
+    (["query", "KILL QUERY WHERE 1"], 1),
+    (["query", "--no-such-option", "SELECT 1"], 2),
+    (["no-such-command"], 2),
+]
+
+
+def loopwatch(args: list[str], tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    environment = {key: value for key, value in os.environ.items()
+                   if not key.startswith("LOOPWATCH_")}
+    environment.update({
+        "LOOPWATCH_DATA_DIR": str(tmp_path / "data"),
+        "LOOPWATCH_CLICKHOUSE_URL": f"http://reader:{SECRET}@127.0.0.1:{CLOSED}/loopwatch",
+        "LOOPWATCH_KAFKA_BOOTSTRAP": f"127.0.0.1:{CLOSED}",
+        "LOOPWATCH_OTLP_PORT": "0",
+        "COLUMNS": "100",
+        **env})
+    environment = {key: value for key, value in environment.items() if value}  # "" = unset
+    return subprocess.run([sys.executable, "-m", "loopwatch.cli", *args], env=environment,
+                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+
+
+def assert_contract(result: subprocess.CompletedProcess[str], code: int) -> None:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == code, result.stderr[-3000:]
+    assert len(lines) == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and SECRET not in result.stderr + result.stdout
+
+
+def test_every_command_has_a_hostile_case():
+    assert sorted(CASES) == commands()
+
+
+@pytest.mark.parametrize("command", commands())
+def test_every_command_fails_in_one_line_with_the_contracts_exit_code(command, tmp_path):
+    arguments, code = CASES[command]
+    assert_contract(loopwatch([*command.split(), *arguments], tmp_path), code)
+
+
+@pytest.mark.parametrize(("arguments", "code"), EXTRA_CASES,
+                         ids=[" ".join(a) for a, _ in EXTRA_CASES])
+def test_hostile_arguments_are_one_line(arguments, code, tmp_path):
+    result = loopwatch(arguments, tmp_path, LOOPWATCH_CLICKHOUSE_URL="")
+    assert_contract(result, code)
+
+
+def test_a_refused_store_connection_is_one_line_that_names_it(tmp_path):
+    result = loopwatch(["query", "SELECT 1"], tmp_path)
+    assert_contract(result, 1)
+    assert result.stderr.startswith("error: OperationalError: ")
+    assert "Connection refused" in result.stderr
+    assert f"http://127.0.0.1:{CLOSED}" in result.stderr
+
+
+@pytest.mark.parametrize("how", [["--debug"], []], ids=["--debug", "LOOPWATCH_DEBUG=1"])
+def test_debug_prints_the_traceback_too(how, tmp_path):
+    env = {} if how else {"LOOPWATCH_DEBUG": "1"}
+    result = loopwatch([*how, "query", "SELECT 1"], tmp_path, **env)
+    assert result.returncode == 1
+    assert "Traceback (most recent call last)" in result.stderr
+    assert result.stderr.rstrip().splitlines()[-1].startswith("error: OperationalError: ")
+
+
+def test_a_bootstrap_with_credentials_is_refused_without_echoing_them(tmp_path):
+    for bootstrap in (f"user:{SECRET}@broker", f"user:{SECRET}@broker:9092",
+                      f"kafka://user:{SECRET}@broker:9092"):
+        result = loopwatch(["query", "SELECT 1"], tmp_path,
+                           LOOPWATCH_KAFKA_BOOTSTRAP=bootstrap)
+        assert_contract(result, 2)
+        assert "LOOPWATCH_KAFKA_BOOTSTRAP must be host:port[,host:port]" in result.stderr
+
+
+@pytest.mark.parametrize("group", [[], ["dlq"], ["scenario"]], ids=["loopwatch", "dlq",
+                                                                      "scenario"])
+def test_a_bare_command_group_prints_its_help_and_nothing_on_stderr(group, tmp_path):
+    result = loopwatch(group, tmp_path)
+    assert result.returncode == 2 and result.stderr == ""
+    assert "Usage:" in result.stdout and "Commands" in result.stdout
+
+
+def test_several_invalid_settings_are_still_one_line(tmp_path):
+    result = loopwatch(["query", "SELECT 1"], tmp_path, LOOPWATCH_PARTITIONS="0",
+                       LOOPWATCH_CLICKHOUSE_URL="ftp://db:21", LOOPWATCH_CAPTURE="maybe")
+    assert_contract(result, 2)
+    assert result.stderr.startswith("invalid setting ")
+    assert [name in result.stderr for name in ("partitions", "clickhouse_url", "capture")] == [
+        True, True, True]

@@ -23,6 +23,7 @@ import pytest
 from dashboards.web.server import serve_in_thread
 from ingest.events import EventBase, LlmCall, RunEnd, RunStart, ToolCall
 from ingest.wire import encode_envelope
+from loopwatch.money import usd
 from loopwatch.reprocess import MemoryRunStore
 from loopwatch.store.reader import DirectReader
 from processors.pipeline import Pipeline, RawMessage
@@ -202,7 +203,7 @@ def test_no_data_draws_no_chart_and_says_so(browser, server, shapes):
                               "canvas": False} for panel in panels}
 
 
-def test_the_run_header_of_a_run_that_did_not_loop(browser, server, shapes):
+def test_the_run_header_of_a_run_that_did_not_loop(browser, server, shapes, local_store):
     from selenium.webdriver.support.ui import WebDriverWait
 
     browser.get("about:blank")
@@ -218,3 +219,9 @@ def test_the_run_header_of_a_run_that_did_not_loop(browser, server, shapes):
         "document.getElementById(id).dataset.state !== 'loading')"))
     words = browser.execute_script("return document.getElementById('main').innerText").split()
     assert "null" not in words and "undefined" not in words
+    cost = local_store[1].query("SELECT cost_usd FROM runs FINAL WHERE run_id = {r:String}",
+                                parameters={"r": shapes["run"]}).result_rows[0][0]
+    shown = browser.execute_script(
+        "return [...document.querySelectorAll('#run-kv div')].map((d) => "
+        "[d.querySelector('dt').textContent, d.querySelector('dd').textContent])")
+    assert ["cost", usd(cost)] in shown  # the web view's money is the CLI's (item 7)

@@ -72,7 +72,7 @@
         const d = decimals ?? (Math.abs(pct) >= 10 || pct === 0 ? 0 : 1);
         return `${fixed(pct, Math.min(d, 2))}%`;
       }
-      case "currencyUSD": return `$${fixed(value, decimals ?? auto(value))}`;
+      case "currencyUSD": return window.loopwatchMoney.usd(value, decimals ?? auto(value));
       case "ms":
         return Math.abs(value) >= 1000 ? `${fixed(value / 1000, 2)} s` : `${fixed(value, 0)} ms`;
       case "none": return String(value);

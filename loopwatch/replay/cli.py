@@ -103,7 +103,21 @@ def step_title(step: Step) -> str:
         what += f" · {usd(step.cost)}"
     else:
         what = f"tool {step.tool}"
-    return f"#{step.index} · step {step.step} · {what} · {step.latency_ms:,.0f} ms"
+    return f"#{step.index} · step {step.step} · {what} · {duration(step)}"
+
+
+def duration(step: Step) -> str:
+    """How long the call took; for a timed-out one, its timeout and its true duration.
+
+    >>> duration(Step(index=0, step=0, type="tool", latency_ms=500, timed_out=True,
+    ...               true_duration_ms=550))
+    'timed out after 500 ms, true duration 550 ms'
+    """
+    if not step.timed_out:
+        return f"{step.latency_ms:,.0f} ms"
+    true = ("unknown" if step.true_duration_ms is None
+            else f"{step.true_duration_ms:,.0f} ms")
+    return f"timed out after {step.latency_ms:,.0f} ms, true duration {true}"
 
 
 def render_step(step: Step, full: bool) -> Panel:

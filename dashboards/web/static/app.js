@@ -426,7 +426,9 @@
     } else {
       bits.push(`tool ${step.tool}`);
     }
-    bits.push(fmt(step.latency_ms, "ms"));
+    bits.push(step.timed_out
+      ? `timed out after ${fmt(step.latency_ms, "ms")}, true duration ${step.true_duration_ms === null ? "unknown" : fmt(step.true_duration_ms, "ms")}`
+      : fmt(step.latency_ms, "ms"));
     return bits.join(" · ");
   }
 

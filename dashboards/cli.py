@@ -24,14 +24,34 @@ ClickHouseUrl = Annotated[str | None, typer.Option(
     "[default: LOOPWATCH_CLICKHOUSE_URL]")]
 
 
+WebUrl = Annotated[str | None, typer.Option(
+    "--web-url", help="the loopwatch web view the dashboards' run links open "
+    "[default: LOOPWATCH_LINK_BASE_URL, else http://127.0.0.1:8765]")]
+
+
+def _web_url(web_url: str | None, data_dir: Path | None) -> str:
+    """The option, else the configured link base URL; a bad one is a usage error."""
+    from rich.markup import escape
+
+    from dashboards.grafana import web_view_url
+
+    try:
+        return web_view_url(web_url or settings_from(data_dir).link_base_url)
+    except ValueError as exc:
+        console.print(f"[red]invalid --web-url:[/red] {escape(str(exc))}")
+        raise typer.Exit(2) from None
+
+
 def export_command(
     folder: Annotated[Path, typer.Argument(help="where to write dashboards/ and provisioning/")],
     clickhouse_url: ClickHouseUrl = None,
+    web_url: WebUrl = None,
+    data_dir: DataDir = None,
 ) -> None:
     """Write the dashboards (one JSON model per tier) and Grafana provisioning files."""
     from dashboards.provisioning import export
 
-    for path in export(folder, clickhouse_url):
+    for path in export(folder, clickhouse_url, _web_url(web_url, data_dir)):
         console.print(f"wrote {path}")
 
 
@@ -43,6 +63,7 @@ def deploy_command(
     clickhouse_password: Annotated[str | None, typer.Option(
         "--clickhouse-password", envvar="LOOPWATCH_CLICKHOUSE_PASSWORD",
         help="password for the data source [env LOOPWATCH_CLICKHOUSE_PASSWORD]")] = None,
+    web_url: WebUrl = None,
     data_dir: DataDir = None,
 ) -> None:
     """Create or update the ClickHouse data source and the dashboards in Grafana."""
@@ -51,7 +72,7 @@ def deploy_command(
     settings = settings_from(data_dir)
     try:
         report = deploy(url, token, clickhouse_url or settings.clickhouse_url,
-                        clickhouse_password)
+                        clickhouse_password, _web_url(web_url, data_dir))
     except DeployError as exc:
         console.print(f"[red]deploy failed:[/red] {exc}")
         raise typer.Exit(1) from None

@@ -94,10 +94,10 @@ class Deployer:
         self.api.folder.create_folder(FOLDER, uid=FOLDER)
         return "created"
 
-    def save_dashboards(self) -> dict[str, str]:
+    def save_dashboards(self, web_url: str | None = None) -> dict[str, str]:
         saved = {}
         for tier in TIERS:
-            model = dashboard_model(tier.id)
+            model = dashboard_model(tier.id, web_url)
             model["id"] = None
             reply = self.api.dashboard.update_dashboard(
                 {"dashboard": model, "folderUid": FOLDER, "overwrite": True,
@@ -108,7 +108,7 @@ class Deployer:
 
 
 def deploy(url: str, token: str, clickhouse_url: str | None,
-           clickhouse_password: str | None = None) -> DeployReport:
+           clickhouse_password: str | None = None, web_url: str | None = None) -> DeployReport:
     """Create or update the data source, the folder and the three dashboards."""
     if not clickhouse_url:
         raise DeployError(
@@ -125,7 +125,7 @@ def deploy(url: str, token: str, clickhouse_url: str | None,
         deployer.check_plugin()
         report.datasource = deployer.upsert_datasource(clickhouse_url, password)
         report.folder = deployer.ensure_folder()
-        report.dashboards = deployer.save_dashboards()
+        report.dashboards = deployer.save_dashboards(web_url)
     except DeployError:
         raise
     except niquests.exceptions.RequestException as exc:

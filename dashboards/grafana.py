@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 from typing import Any, Final
+from urllib.parse import urlparse
 
 from grafana_foundation_sdk.builders import barchart, stat, table, timeseries
 from grafana_foundation_sdk.builders import common as common_builders
@@ -41,11 +42,16 @@ DATASOURCE_NAME: Final = "loopwatch ClickHouse"
 DATASOURCE_REF: Final = models.DataSourceRef(type_val=PLUGIN_ID, uid="${datasource}")
 RUN_DRILLDOWN_URL: Final = (
     "/d/" + TIERS_BY_ID["drilldown"].uid + "?var-run_id=${__value.raw}&${__url_time_range}")
-#: The loopwatch web view holding each run's replay (``loopwatch serve``'s default
-#: address); a hidden dashboard variable, so a deployment sets it once (dashboard
-#: settings, or ``var-loopwatch_web=`` in a URL) to wherever its web view runs.
+#: The loopwatch web view holding each run's replay: a hidden dashboard variable whose
+#: default is set when the dashboards are exported or deployed (``--web-url``, else
+#: ``LOOPWATCH_LINK_BASE_URL``, the same base URL alert links use; without either,
+#: ``loopwatch serve``'s local address). ``var-loopwatch_web=`` in a URL overrides it.
 WEB_VIEW_VARIABLE: Final = "loopwatch_web"
 WEB_VIEW_DEFAULT: Final = "http://127.0.0.1:8765"
+#: The classic dashboard JSON schema the models follow: Grafana's latest (v42, the last
+#: of the v1 dashboard API). The SDK still writes 36 and the ``style`` key Grafana
+#: dropped; :func:`dashboard_model` brings the model to this version's shape.
+SCHEMA_VERSION: Final = 42
 RUN_REPLAY_URL: Final = "${" + WEB_VIEW_VARIABLE + "}/#/replay/${__value.raw}"
 NAMED_COLORS: Final = {"text": "text", "green": "green", "red": "red", "orange": "orange",
                        "blue": "blue", "yellow": "yellow"}
@@ -253,7 +259,23 @@ def panel_builder(panel: Panel, panel_id: int) -> PanelBuilder:
     return built
 
 
-def _variables(tier: TierId) -> list[cogbuilder.Builder[models.VariableModel]]:
+def web_view_url(url: str | None) -> str:
+    """The web view's base URL for the dashboards' run links: http(s) with a host,
+    no trailing slash; ``ValueError`` saying why otherwise.
+
+    >>> web_view_url("https://loopwatch.example.com/"), web_view_url(None)
+    ('https://loopwatch.example.com', 'http://127.0.0.1:8765')
+    """
+    if not url:
+        return WEB_VIEW_DEFAULT
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.query \
+            or parsed.fragment or any(c in url for c in "\"'<> \t\r\n"):
+        raise ValueError(f"the web view URL must be http(s)://host[:port][/path], not {url!r}")
+    return url.rstrip("/")
+
+
+def _variables(tier: TierId, web_url: str) -> list[cogbuilder.Builder[models.VariableModel]]:
     found: list[cogbuilder.Builder[models.VariableModel]] = [
         builders.DatasourceVariable("datasource").label("Data source").type(PLUGIN_ID)
         .current(models.VariableOption(selected=True, text=DATASOURCE_NAME,
@@ -273,13 +295,12 @@ def _variables(tier: TierId) -> list[cogbuilder.Builder[models.VariableModel]]:
             .current(models.VariableOption(selected=True, text=["All"], value=["$__all"])))
     found.append(builders.TextBoxVariable(WEB_VIEW_VARIABLE).label("loopwatch web view")
                  .description("base URL of the loopwatch web view, where runs replay")
-                 .default_value(WEB_VIEW_DEFAULT).hide(models.VariableHide.HIDE_VARIABLE)
-                 .current(models.VariableOption(text=WEB_VIEW_DEFAULT,
-                                                value=WEB_VIEW_DEFAULT)))
+                 .default_value(web_url).hide(models.VariableHide.HIDE_VARIABLE)
+                 .current(models.VariableOption(text=web_url, value=web_url)))
     return found
 
 
-def dashboard_builder(tier: TierId) -> builders.Dashboard:
+def dashboard_builder(tier: TierId, web_url: str = WEB_VIEW_DEFAULT) -> builders.Dashboard:
     """The SDK dashboard for one tier, panels grouped in rows by section."""
     spec = TIERS_BY_ID[tier]
     board = (builders.Dashboard(spec.title).uid(spec.uid).description(spec.description)
@@ -290,7 +311,7 @@ def dashboard_builder(tier: TierId) -> builders.Dashboard:
                  ["10s", "30s", "1m", "5m", "15m"]))
              .link(builders.DashboardLink("loopwatch").type(models.DashboardLinkType.DASHBOARDS)
                    .tags(["loopwatch"]).as_dropdown(False).include_vars(True).keep_time(True))
-             .variables(_variables(tier))
+             .variables(_variables(tier, web_view_url(web_url)))
              .annotation(builders.AnnotationQuery().name(ANNOTATION.name)
                          .datasource(DATASOURCE_REF).enable(True).icon_color(ANNOTATION.color)
                          .target(ClickHouseAnnotationTargetBuilder(ANNOTATION.sql))))
@@ -312,10 +333,18 @@ def dashboard_builder(tier: TierId) -> builders.Dashboard:
     return board
 
 
-def dashboard_model(tier: TierId) -> dict[str, Any]:
-    """The dashboard JSON model of one tier, as a plain dict."""
-    encoded = json.dumps(dashboard_builder(tier).build(), cls=JSONEncoder)
+def dashboard_model(tier: TierId, web_url: str | None = None) -> dict[str, Any]:
+    """The dashboard JSON model of one tier, as a plain dict, in the shape of
+    :data:`SCHEMA_VERSION`: no ``style`` (gone from the schema), no timepicker
+    ``time_options`` (v41), ``refresh`` a string, empty when off (v40)."""
+    encoded = json.dumps(dashboard_builder(tier, web_view_url(web_url)).build(),
+                         cls=JSONEncoder)
     model: dict[str, Any] = json.loads(encoded)
+    model.pop("style", None)
+    model.get("timepicker", {}).pop("time_options", None)
+    if model.get("refresh") is False:
+        model["refresh"] = ""
+    model["schemaVersion"] = SCHEMA_VERSION
     return model
 
 

@@ -489,12 +489,15 @@ ORDER BY step ASC NULLS LAST""",
         colors={"cost_usd": "#FF9830"}, width=16, height=6, needs_run=True, section="The run"),
     Panel(
         "run_timeline", "drilldown", "Timeline",
-        "Every step, LLM call and tool call in order. `repeats` counts the run's calls "
+        "Every step, LLM call and tool call in order (a timed-out call when it timed out, "
+        "though its event arrived when it really ended). `repeats` counts the run's calls "
         "with the same tool and args hash: 3 or more is the loop signature.",
         f"""SELECT time, event, step, name, args_hash, repeats, latency_ms, input_tokens,
        output_tokens, cost_usd, error
 FROM (
-    SELECT ts AS time, 'tool.call' AS event, step, toString(tool) AS name,
+    SELECT ts - toIntervalMillisecond(toInt64(if(timed_out = 1 AND late_completion_ms IS NOT NULL,
+               late_completion_ms - latency_ms, 0))) AS time,
+           'tool.call' AS event, step, toString(tool) AS name,
            args_hash, toNullable(count() OVER (PARTITION BY tool, args_hash)) AS repeats,
            toNullable(latency_ms) AS latency_ms, CAST(NULL, 'Nullable(UInt64)') AS input_tokens,
            CAST(NULL, 'Nullable(UInt64)') AS output_tokens,

@@ -115,18 +115,22 @@ def dashboards_provider_file() -> str:
     return HEADER + to_yaml({"apiVersion": 1, "providers": [provider]})
 
 
-def exported_files(clickhouse_url: str | None = None) -> dict[str, str]:
-    """Every exported file, by path relative to the export folder."""
-    files = {f"dashboards/{tier.id}.json": render(dashboard_model(tier.id)) for tier in TIERS}
+def exported_files(clickhouse_url: str | None = None,
+                   web_url: str | None = None) -> dict[str, str]:
+    """Every exported file, by path relative to the export folder; ``web_url`` is
+    where the dashboards' run links open (see :func:`dashboards.grafana.web_view_url`)."""
+    files = {f"dashboards/{tier.id}.json": render(dashboard_model(tier.id, web_url))
+             for tier in TIERS}
     files["provisioning/datasources/loopwatch.yaml"] = datasource_file(clickhouse_url)
     files["provisioning/dashboards/loopwatch.yaml"] = dashboards_provider_file()
     return files
 
 
-def export(folder: Path, clickhouse_url: str | None = None) -> list[Path]:
+def export(folder: Path, clickhouse_url: str | None = None,
+           web_url: str | None = None) -> list[Path]:
     """Write every exported file under ``folder``; returns the paths written."""
     written = []
-    for relative, text in exported_files(clickhouse_url).items():
+    for relative, text in exported_files(clickhouse_url, web_url).items():
         path = folder / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")

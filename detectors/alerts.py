@@ -33,6 +33,10 @@ from loopwatch.store.clickhouse import read_time
 AlertState = Literal["pending", "firing", "resolved"]
 
 
+#: between the summary an alert fired with and its current one
+NOW_SEPARATOR = " · now "
+
+
 def fingerprint(rule: str, labels: dict[str, str]) -> str:
     body = orjson.dumps({"rule": rule, "labels": labels}, option=orjson.OPT_SORT_KEYS)
     return hashlib.sha256(body).hexdigest()[:16]
@@ -54,13 +58,29 @@ class Alert:
     evidence: dict[str, Any] = field(default_factory=dict)
     link: str = ""
     version: int = 1
+    #: the rule's summary at the latest evaluation, while it differs from ``summary``
+    #: (which keeps the figure the alert fired with)
+    current_summary: str = ""
+
+    @property
+    def shown_summary(self) -> str:
+        """The firing figure, and beside it the current one once they differ.
+
+        >>> a = Alert("f", "r", "warning", {}, "", "11.6% looped (5 of 43 runs)", 0.116,
+        ...           "firing", datetime(2026, 1, 1), current_summary="9.8% looped (5 of 51 runs)")
+        >>> a.shown_summary
+        '11.6% looped (5 of 43 runs) · now 9.8% looped (5 of 51 runs)'
+        """
+        if not self.current_summary or self.current_summary == self.summary:
+            return self.summary
+        return f"{self.summary}{NOW_SEPARATOR}{self.current_summary}"
 
     def row(self, updated_at: datetime) -> dict[str, Any]:
-        """As a row of the ``alerts`` table."""
+        """As a row of the ``alerts`` table; ``value`` is the latest evaluation's."""
         return {
             "fingerprint": self.fingerprint, "started_at": self.started_at, "rule": self.rule,
             "severity": self.severity, "state": self.state, "labels": self.labels,
-            "summary": self.summary, "playbook": self.playbook, "value": self.value,
+            "summary": self.shown_summary, "playbook": self.playbook, "value": self.value,
             "fired_at": self.fired_at, "resolved_at": self.resolved_at,
             "evidence": orjson.dumps(self.evidence, default=str).decode(), "link": self.link,
             "version": self.version, "updated_at": updated_at,
@@ -68,9 +88,11 @@ class Alert:
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> Alert:
+        fired, _, current = str(row["summary"]).partition(NOW_SEPARATOR)
         return cls(
             fingerprint=row["fingerprint"], rule=row["rule"], severity=row["severity"],
-            labels=dict(row["labels"]), playbook=row["playbook"], summary=row["summary"],
+            labels=dict(row["labels"]), playbook=row["playbook"], summary=fired,
+            current_summary=current,
             value=float(row["value"]), state=row["state"],
             started_at=read_time(row["started_at"]), fired_at=read_time(row["fired_at"]),
             resolved_at=read_time(row["resolved_at"]),
@@ -116,7 +138,9 @@ def replay_evidence(link_base_url: str, run_ids: list[str]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Transition:
-    kind: Literal["pending", "fired", "resolved", "cancelled"]
+    """``updated``: a firing alert's current figure changed (a history row, no page)."""
+
+    kind: Literal["pending", "fired", "resolved", "cancelled", "updated"]
     alert: Alert
 
 
@@ -165,9 +189,20 @@ class AlertBook:
             self.open[key] = alert
             if effective.for_ > timedelta(0):  # a for-duration: wait in pending first
                 return [Transition("pending", alert)]
-        else:
+        elif alert.state == "pending":
             alert = replace(alert, value=finding.value, summary=finding.summary())
             self.open[key] = alert
+        else:
+            current = finding.summary()
+            shown = alert.shown_summary
+            alert = replace(alert, value=finding.value,
+                            current_summary="" if current == alert.summary else current)
+            if alert.shown_summary == shown:
+                self.open[key] = alert
+                return []
+            alert = replace(alert, version=alert.version + 1)
+            self.open[key] = alert
+            return [Transition("updated", alert)]
         if alert.state == "pending" and now - alert.started_at >= effective.for_:
             fired = replace(alert, state="firing", fired_at=now, version=alert.version + 1)
             self.open[key] = fired

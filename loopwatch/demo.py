@@ -21,6 +21,7 @@ from dashboards.web.server import serve_in_thread
 from ingest.redact import Redactor
 from ingest.sdk import Emitter
 from loopwatch.config import Settings
+from loopwatch.money import usd
 from loopwatch.report import fleet_report
 from loopwatch.simulator import FleetSimulator, SimulatorResult
 from loopwatch.upprocess import UpProcess
@@ -173,7 +174,7 @@ def run_demo(settings: Settings, duration_s: float, rate: float, seed: int,
 def _fmt(value: float | None, percent: bool = False) -> str:
     if value is None:
         return "-"
-    return f"{value:.1%}" if percent else f"${value:.4f}"
+    return f"{value:.1%}" if percent else usd(value)
 
 
 SEVERITY_STYLES = {"critical": "bold red", "warning": "yellow"}

@@ -55,7 +55,7 @@ class Call:
                 "tokens": {"input": self.input_tokens, "output": self.output_tokens,
                            "cache_read": 0, "cache_creation": 0},
                 "cost": llm_cost(self.input_tokens, self.output_tokens) if llm else 0.0,
-                "latency_ms": self.latency_ms}
+                "latency_ms": self.latency_ms, "timed_out": False, "true_duration_ms": None}
 
 
 def llm(step: int, prompt: Any, response: Any, input_tokens: int = 1000,

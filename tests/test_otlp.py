@@ -180,7 +180,8 @@ def test_openinference_spans_map_like_gen_ai():
              400, 1550, resource=oi_resource),
     ]
     batch = map_spans(spans)
-    context = {"conversation_id": "s-1", "otel_convention": "openinference"}
+    # The agent span's name ("support") is no agent name: the service's is (issue 26).
+    context = {"agent": "svc", "conversation_id": "s-1", "otel_convention": "openinference"}
     assert dump(batch.events) == [
         base(AGENT_SPAN, "run.start", "2026-01-01T00:00:00Z", None, **context),
         base(CHAT_SPAN, "llm.call", "2026-01-01T00:00:01.500000Z", AGENT_SPAN, **context,

@@ -46,9 +46,13 @@ def test_reduced_scorecard_detects_every_scenario_without_false_pages(local_stor
 
 
 def test_one_scenario_through_the_live_stack(tmp_path: Path):
+    """At a speed no machine keeps (traffic emitted as fast as the broker takes it), so
+    the outcome cannot depend on how busy this one is: the run waits by what the store
+    holds and the detectors judged, not by the clock (issue 26, item 21)."""
     scenario = load_scenarios()["upstream_tool_outage"]
-    result = run_live(scenario, tmp_path / "live", speed=240, history_hours=1,
+    result = run_live(scenario, tmp_path / "live", speed=1_000_000, history_hours=1,
                       before_minutes=5, observe_minutes=20)
+    assert result["settled"] is True, result
     assert result["detected"], result
     assert "tool_error_rate" in result["fired"]
     assert result["time_to_detect_s"] is not None and result["time_to_detect_s"] >= 0

@@ -121,10 +121,35 @@ def series_name(panel: Panel, column: str, labels: Sequence[str]) -> str:
     return joined if len(panel.value_columns) == 1 else f"{title_of(column)} · {joined}"
 
 
-def pivot(panel: Panel, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> dict[str, Any]:
-    """Long rows (time, labels..., values...) into aligned series, as the plugin does."""
+def fill_gaps(times: list[float], step_s: float | None) -> list[float]:
+    """Every bucket of ``step_s`` between the first and the last time, so a minute
+    without rows is a null in each series (a gap in the line), not a straight line
+    across it. Times off the step's grid are kept as they are.
+
+    >>> fill_gaps([0.0, 60.0, 240.0], 60), fill_gaps([0.0, 240.0], None)
+    ([0.0, 60.0, 120.0, 180.0, 240.0], [0.0, 240.0])
+    """
+    if not step_s or len(times) < 2 or (times[-1] - times[0]) / step_s > 100_000:
+        return times
+    grid = {times[0] + step_s * k for k in range(int((times[-1] - times[0]) // step_s) + 1)}
+    return sorted(grid.union(times))
+
+
+def bucket_s(panel: Panel, window: QueryWindow) -> float | None:
+    """A time series' bucket when the query fixes it: ``$__timeInterval`` buckets by
+    the window's interval; other bucketing (the trends' hour or day) is not known here,
+    so their series are not gap-filled."""
+    return float(window.interval_s) if "$__timeInterval(" in panel.sql else None
+
+
+def pivot(panel: Panel, columns: Sequence[str], rows: Sequence[Sequence[Any]],
+          step_s: float | None = None) -> dict[str, Any]:
+    """Long rows (time, labels..., values...) into aligned series, as the plugin does;
+    with ``step_s``, the buckets without rows are there too, as nulls (see
+    :func:`fill_gaps`)."""
     index = {name: position for position, name in enumerate(columns)}
-    times = sorted({t for t in (_epoch(row[0]) for row in rows) if t is not None})
+    times = fill_gaps(sorted({t for t in (_epoch(row[0]) for row in rows) if t is not None}),
+                      step_s)
     slot = {moment: position for position, moment in enumerate(times)}
     series: dict[tuple[str, tuple[str, ...]], list[float | None]] = {}
     for row in rows:
@@ -245,7 +270,7 @@ class WebApi:
                                 "from": window.start.timestamp(), "to": window.end.timestamp(),
                                 "interval_s": window.interval_s}
         if panel.is_time_series:
-            body.update(pivot(panel, columns, rows))
+            body.update(pivot(panel, columns, rows, bucket_s(panel, window)))
         else:
             # Through a running `loopwatch up` times arrive as text without a zone; the
             # panel's units say which columns are times, so all become UTC ISO-8601.

@@ -20,9 +20,16 @@ of a run whenever it arrives. ``gen_ai.conversation.id`` (or OpenInference
 ``session.id``) is kept as the ``conversation_id`` extra. Event ids are derived from
 trace, span and event type, so a client retrying a batch cannot count it twice.
 
-The agent is ``gen_ai.agent.name`` of the span or of its agent span in the batch, else
-the resource's ``service.name``; ``loopwatch.<field>`` span or resource attributes set
-any context field (agent, task_type, prompt_version, deployment, ...) explicitly.
+The agent, one rule for every row of a trace (runs, model and tool calls alike): the
+trace's agent name (``gen_ai.agent.name``, or ``agent.name``) read from its root span
+first, else from the shallowest span of the trace that carries one; else the root's
+resource ``service.name``. A span name is never an agent name (OpenInference's agent
+span is often just called ``agent``), and a sub-agent's own name does not split a run.
+``loopwatch.<field>`` span or resource attributes set any context field (agent,
+task_type, prompt_version, deployment, ...) explicitly, and win over the rule.
+The rule is applied over the spans of one request: a span exported in an earlier
+request than the span that decides (``SimpleSpanProcessor`` exports each child before
+its root) keeps the agent its own request gave it, its resource's ``service.name``.
 Every event records its span's convention in the ``otel_convention`` extra, and
 :class:`MappedBatch` counts the batch's spans per convention.
 
@@ -214,15 +221,6 @@ def _name_after_operation(span: Span, operation: str) -> str:
     return rest.strip() if head == operation else ""
 
 
-def _agent_name(span: Span, convention: str) -> str:
-    name = first(span.attributes, c.AGENT_NAME)
-    if name is not None:
-        return str(name)
-    if convention == c.OPENINFERENCE:
-        return span.name
-    return _name_after_operation(span, "invoke_agent")
-
-
 class _Batch:
     """The batch's span tree: who is whose agent, and which model calls wrap others."""
 
@@ -232,13 +230,23 @@ class _Batch:
         self.kinds = [classify(span) for span in spans]
         self.role_of = {span.trace_id + span.span_id: kind[0]
                         for span, kind in zip(spans, self.kinds, strict=True)}
-        self.convention_of = {span.trace_id + span.span_id: kind[1]
-                              for span, kind in zip(spans, self.kinds, strict=True)}
         self.wrapped_models: set[str] = set()
         self.traces_with_agent: set[str] = set()
         self.traces_with_genai: set[str] = set()
         self.trace_convention: dict[str, str] = {}
         self._agent_memo: dict[str, Span | None] = {}
+        self.roots: dict[str, Span] = {}
+        named: dict[str, tuple[int, str]] = {}
+        for span in spans:
+            if not span.parent_span_id:
+                self.roots.setdefault(span.trace_id, span)
+            name = first(span.attributes, c.AGENT_NAME)
+            if name is not None:
+                depth = sum(1 for _ in self.ancestors(span)) if span.parent_span_id else -1
+                if span.trace_id not in named or depth < named[span.trace_id][0]:
+                    named[span.trace_id] = (depth, str(name))
+        #: each trace's agent name by the module doc's rule (root first, then shallowest)
+        self.trace_agent_name = {trace: name for trace, (_, name) in named.items()}
         for span, (role, kind) in zip(spans, self.kinds, strict=True):
             if role is None or kind is None:
                 continue
@@ -251,6 +259,17 @@ class _Batch:
                     key = ancestor.trace_id + ancestor.span_id
                     if self.role_of[key] == c.MODEL:
                         self.wrapped_models.add(key)
+
+    def trace_agent(self, span: Span) -> str | None:
+        """The agent of ``span``'s trace by the module doc's rule: its agent name, else
+        the root's ``service.name``; None when the batch has neither (the span's own
+        resource then decides)."""
+        name = self.trace_agent_name.get(span.trace_id)
+        if name is not None:
+            return name
+        root = self.roots.get(span.trace_id)
+        service = None if root is None else root.resource.get("service.name")
+        return str(service) if service else None
 
     def ancestors(self, span: Span) -> Iterator[Span]:
         current = span
@@ -287,10 +306,9 @@ def _own_fields(attributes: dict[str, Any], into: dict[str, Any]) -> None:
 
 
 def _resource_context(resource: dict[str, Any]) -> dict[str, Any]:
+    """The resource's context fields; ``agent`` only when set explicitly
+    (``loopwatch.agent``): ``service.name`` is the trace rule's fallback."""
     context: dict[str, Any] = {}
-    service = resource.get("service.name")
-    if service:
-        context["agent"] = str(service)
     instance = resource.get("service.instance.id")
     if instance:
         context["worker_id"] = str(instance)
@@ -305,19 +323,10 @@ class _Mapper:
         self._shared: dict[tuple[int, str | None], dict[str, Any]] = {}
 
     def _apply(self, layer: Span, context: dict[str, Any]) -> None:
-        """One span's say on the context: agent name, version and id, conversation id,
-        and ``loopwatch.*`` fields."""
-        key = layer.trace_id + layer.span_id
-        if self.batch.role_of.get(key) == c.AGENT:
-            name = _agent_name(layer, self.batch.convention_of[key] or "")
-            if name:
-                context["agent"] = name
-        elif c.CONTEXT_NAMES.isdisjoint(layer.attributes):
+        """One span's say on the context: agent version and id, conversation id, and
+        ``loopwatch.*`` fields (the agent's name is the trace's, see :meth:`context`)."""
+        if c.CONTEXT_NAMES.isdisjoint(layer.attributes):
             return  # most model and tool spans: nothing to read
-        else:
-            name = first(layer.attributes, c.AGENT_NAME)
-            if name is not None:
-                context["agent"] = str(name)
         for field_name, names in (("agent_version", c.AGENT_VERSION),
                                   ("agent_id", c.AGENT_ID),
                                   ("conversation_id", c.CONVERSATION_ID)):
@@ -327,8 +336,9 @@ class _Mapper:
         _own_fields(layer.attributes, context)
 
     def context(self, span: Span, agent: Span | None) -> dict[str, Any]:
-        """Resource, then the run's agent span, then the span itself (later wins).
-        The first two are shared by a run's spans, so they are computed once."""
+        """Resource, then the run's agent span, then the span itself (later wins), and
+        the trace's agent unless one of them named it explicitly. The first two are
+        shared by a run's spans, so they are computed once."""
         run_key = (id(span.resource), None if agent is None else agent.trace_id + agent.span_id)
         shared = self._shared.get(run_key)
         if shared is None:
@@ -339,14 +349,21 @@ class _Mapper:
             shared = dict(shared)
             if agent is not None:
                 self._apply(agent, shared)
-            shared.setdefault("agent", "unknown")
             self._shared[run_key] = shared
-        if (c.CONTEXT_NAMES.isdisjoint(span.attributes)
-                and self.batch.role_of.get(span.trace_id + span.span_id) != c.AGENT):
-            return shared
-        context = dict(shared)
-        self._apply(span, context)
-        return context
+        context = shared
+        if not c.CONTEXT_NAMES.isdisjoint(span.attributes):
+            context = dict(shared)
+            self._apply(span, context)
+        if "agent" in context:
+            return context
+        return {**context, "agent": self._trace_agent(span)}
+
+    def _trace_agent(self, span: Span) -> str:
+        decided = self.batch.trace_agent(span)
+        if decided is not None:
+            return decided
+        service = span.resource.get("service.name")
+        return str(service) if service else "unknown"
 
     def common(self, span: Span, convention: str, kind: str) -> dict[str, Any]:
         if not _is_hex_id(span.trace_id, 16):

@@ -17,6 +17,7 @@ from rich.panel import Panel
 from rich.text import Text
 
 from loopwatch.cliargs import DataDir, JsonFlag, console, settings_from
+from loopwatch.money import usd
 from loopwatch.replay.diff import diff_json
 from loopwatch.replay.recording import Recording, RunNotFound, Step, load_recording
 from loopwatch.store.reader import QueryError, Reader
@@ -99,10 +100,24 @@ def step_title(step: Step) -> str:
         what = f"LLM · {tokens['input']:,} in / {tokens['output']:,} out"
         if tokens["cache_read"] or tokens["cache_creation"]:
             what += f" (cache read {tokens['cache_read']:,}, write {tokens['cache_creation']:,})"
-        what += f" · ${step.cost:.4f}"
+        what += f" · {usd(step.cost)}"
     else:
         what = f"tool {step.tool}"
-    return f"#{step.index} · step {step.step} · {what} · {step.latency_ms:,.0f} ms"
+    return f"#{step.index} · step {step.step} · {what} · {duration(step)}"
+
+
+def duration(step: Step) -> str:
+    """How long the call took; for a timed-out one, its timeout and its true duration.
+
+    >>> duration(Step(index=0, step=0, type="tool", latency_ms=500, timed_out=True,
+    ...               true_duration_ms=550))
+    'timed out after 500 ms, true duration 550 ms'
+    """
+    if not step.timed_out:
+        return f"{step.latency_ms:,.0f} ms"
+    true = ("unknown" if step.true_duration_ms is None
+            else f"{step.true_duration_ms:,.0f} ms")
+    return f"timed out after {step.latency_ms:,.0f} ms, true duration {true}"
 
 
 def render_step(step: Step, full: bool) -> Panel:
@@ -127,7 +142,7 @@ def print_recording(recording: Recording, full: bool, console_out: Console = out
     console_out.print(Text.assemble(
         ("run ", "bold"), (recording.run_id, "bold"), f" · {recording.agent} · ",
         (recording.outcome, "red" if recording.outcome != "success" else "green"),
-        f" · {len(recording.steps)} calls · ${cost:.4f}"))
+        f" · {len(recording.steps)} calls · {usd(cost)}"))
     style = {"kept": "green", "pending": "yellow", "discarded": "red"}[capture.status]
     console_out.print(Text.assemble(("capture: ", "bold"), (capture.status, style),
                                     f" ({capture.reason}; {capture.parts} parts, "
@@ -217,15 +232,15 @@ def economics_command(
         _write_json(numbers.to_json())
         return
     out.print(f"{agent}: {numbers.runs} closed runs in {days:g} days · avg "
-              f"${numbers.avg_run_cost_usd:.4f}, {numbers.avg_run_seconds:.1f} s a run · "
-              f"capture ${numbers.capture_cost_per_run_usd:.6f} a run "
+              f"{usd(numbers.avg_run_cost_usd)}, {numbers.avg_run_seconds:.1f} s a run · "
+              f"capture {usd(numbers.capture_cost_per_run_usd, 6)} a run "
               f"({numbers.stored_bytes_per_run:,.0f} compressed bytes)", markup=False)
     for mode in numbers.failure_modes:
         tax = mode.tax
         verdict = "capture pays" if mode.worth_it else "capture costs more"
         out.print(f"  {mode.outcome}: p={tax.p:.2%} · {tax.expected_runs:.0f} runs to "
-                  f"reproduce · tokens ${tax.token_cost:.2f} + engineer "
-                  f"${tax.engineer_cost:.2f} = ${tax.total:.2f} · {verdict}", markup=False)
+                  f"reproduce · tokens {usd(tax.token_cost, 2)} + engineer "
+                  f"{usd(tax.engineer_cost, 2)} = {usd(tax.total, 2)} · {verdict}", markup=False)
 
 
 def register(app: typer.Typer) -> None:

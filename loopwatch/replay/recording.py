@@ -9,8 +9,9 @@ bodies but say why. One query per table, whatever the number of steps, so that a
 run replays as fast as a short one, also through a running ``loopwatch up``.
 
 >>> step = Step(index=0, step=0, type="llm", prompt="hi", response="hello")
->>> sorted(step.to_json())
-['args', 'cost', 'latency_ms', 'output', 'prompt', 'response', 'step', 'tokens', 'tool', 'type']
+>>> sorted(step.to_json())  # doctest: +NORMALIZE_WHITESPACE
+['args', 'cost', 'latency_ms', 'output', 'prompt', 'response', 'step', 'timed_out', 'tokens',
+ 'tool', 'true_duration_ms', 'type']
 """
 
 from __future__ import annotations
@@ -58,13 +59,18 @@ class Step:
     event_id: str = ""
     truncated: tuple[str, ...] = ()
     missing: tuple[str, ...] = ()
+    #: a tool call that timed out: ``latency_ms`` is then its timeout, and
+    #: ``true_duration_ms`` how long it really ran (None when nobody waited to know)
+    timed_out: bool = False
+    true_duration_ms: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         """Exactly the step shape of ``loopwatch replay --json`` (issue 9)."""
         return {"step": self.step, "type": self.type, "prompt": self.prompt,
                 "response": self.response, "tool": self.tool, "args": self.args,
                 "output": self.output, "tokens": dict(self.tokens), "cost": self.cost,
-                "latency_ms": self.latency_ms}
+                "latency_ms": self.latency_ms, "timed_out": self.timed_out,
+                "true_duration_ms": self.true_duration_ms}
 
 
 @dataclass(frozen=True)
@@ -124,7 +130,7 @@ FROM llm_calls FINAL
 WHERE agent = {agent:String} AND run_id = {run_id:String}"""
 
 TOOL_SQL: Final = """SELECT toString(event_id) AS event_id, toUnixTimestamp64Milli(ts) AS ts_ms,
-       step, tool, latency_ms
+       step, tool, latency_ms, timed_out, late_completion_ms
 FROM tool_calls FINAL
 WHERE agent = {agent:String} AND run_id = {run_id:String}"""
 
@@ -197,9 +203,24 @@ def _capture(reader: Reader, run_id: str, run_status: str
     return CaptureStatus(state, reason, len(parts), total), parts, blobs
 
 
+def seen_at_ms(ts_ms: int, tool: Mapping[str, Any]) -> int:
+    """When the agent saw a tool call end. A timed-out call's event is emitted when
+    the call really ends (to carry its true duration), possibly after the run ended;
+    the agent saw it at its timeout: the true duration earlier, plus the timeout.
+
+    >>> seen_at_ms(10_550, {"timed_out": 1, "late_completion_ms": 550, "latency_ms": 500})
+    10500
+    """
+    late = tool.get("late_completion_ms")
+    if not tool.get("timed_out") or late is None:
+        return ts_ms
+    return ts_ms - round(float(late) - float(tool.get("latency_ms") or 0.0))
+
+
 def _order_key(row: Mapping[str, Any]) -> tuple[int, int, int, int, str]:
-    """Event time, then emission order within the run's partition, then step (a step's
-    LLM call before its tool call), then the id so ties are stable."""
+    """Event time (a timed-out tool call's: when it timed out, see :func:`seen_at_ms`),
+    then emission order within the run's partition, then step (a step's LLM call before
+    its tool call), then the id so ties are stable."""
     step = _optional_int(row.get("step"))
     return (int(row.get("ts_ms") or 0), int(row.get("kafka_offset") or 0),
             step if step is not None else 1 << 62, _RANK[_TYPE_OF[row["event_type"]]],
@@ -214,6 +235,10 @@ def _steps(events: Iterable[Mapping[str, Any]], llm: Mapping[str, Mapping[str, A
     for table, event_type in ((llm, "llm.call"), (tools, "tool.call")):
         for event_id, row in table.items():
             calls.setdefault(event_id, {**row, "event_type": event_type, "kafka_offset": 0})
+    for event_id, row in tools.items():
+        if event_id in calls and row.get("timed_out"):
+            call = calls[event_id]
+            call["ts_ms"] = seen_at_ms(int(call.get("ts_ms") or 0), row)
     bodies: dict[str, dict[str, Any]] = {}
     truncated: dict[str, list[str]] = {}
     missing: dict[str, list[str]] = {}
@@ -251,7 +276,10 @@ def _steps(events: Iterable[Mapping[str, Any]], llm: Mapping[str, Mapping[str, A
         else:
             metrics = tools.get(event_id, {})
             tool_name = str(metrics.get("tool") or row.get("tool") or "") or None
+            late = metrics.get("late_completion_ms")
             steps.append(Step(**common, tool=tool_name, args=body.get("args"),
                               output=body.get("output"),
-                              latency_ms=float(metrics.get("latency_ms") or 0.0)))
+                              latency_ms=float(metrics.get("latency_ms") or 0.0),
+                              timed_out=bool(metrics.get("timed_out")),
+                              true_duration_ms=None if late is None else float(late)))
     return steps

@@ -72,7 +72,7 @@
         const d = decimals ?? (Math.abs(pct) >= 10 || pct === 0 ? 0 : 1);
         return `${fixed(pct, Math.min(d, 2))}%`;
       }
-      case "currencyUSD": return `$${fixed(value, decimals ?? auto(value))}`;
+      case "currencyUSD": return window.loopwatchMoney.usd(value, decimals ?? auto(value));
       case "ms":
         return Math.abs(value) >= 1000 ? `${fixed(value / 1000, 2)} s` : `${fixed(value, 0)} ms`;
       case "none": return String(value);
@@ -426,7 +426,9 @@
     } else {
       bits.push(`tool ${step.tool}`);
     }
-    bits.push(fmt(step.latency_ms, "ms"));
+    bits.push(step.timed_out
+      ? `timed out after ${fmt(step.latency_ms, "ms")}, true duration ${step.true_duration_ms === null ? "unknown" : fmt(step.true_duration_ms, "ms")}`
+      : fmt(step.latency_ms, "ms"));
     return bits.join(" · ");
   }
 
@@ -492,7 +494,8 @@
     const row = data.rows[0];
     const record = Object.fromEntries(data.columns.map((c, i) => [c, row[i]]));
     const outcome = record.status === "running" ? "running" : record.outcome;
-    byId("run-title").replaceChildren(
+    // replaceChildren, unlike h(), writes a null child out as the text "null"
+    byId("run-title").replaceChildren(...[
       h("h2", { text: record.run_id }),
       h("span", { class: "pill", style: { color: color(meta.colors[outcome] || "text") },
         text: outcome || record.status }),
@@ -500,7 +503,7 @@
       h("span", { class: "alert-meta", text: `${record.agent} · ${record.task_type || "no task type"}` }),
       h("a", { href: "#replay-title", class: "replay-link",
         onclick: (event) => { event.preventDefault(); byId("replay-title").scrollIntoView(); },
-        text: "▶ replay" }));
+        text: "▶ replay" })].filter((child) => child !== null));
     const skip = new Set(["run_id", "loop_detected"]);
     byId("run-kv").replaceChildren(...data.columns.filter((c) => !skip.has(c)).map((column, i) => {
       const index = data.columns.indexOf(column);
@@ -753,6 +756,18 @@
     requestAnimationFrame(fit);
   }
 
+  // Points only where a value stands alone (no value either side): a line needs two,
+  // so a single bucket, or one between gaps, would otherwise draw nothing.
+  function isolatedPoints(u, seriesIdx) {
+    const ys = u.data[seriesIdx];
+    const found = [];
+    for (let i = 0; i < ys.length; i++) {
+      if (ys[i] !== null && ys[i] !== undefined && (i === 0 || ys[i - 1] == null) &&
+          (i === ys.length - 1 || ys[i + 1] == null)) found.push(i);
+    }
+    return found.length ? found : null;
+  }
+
   function drawTimeSeries(body, meta, data, height) {
     body.replaceChildren();
     const stacked = meta.viz === "bars";
@@ -773,7 +788,8 @@
       cursor: { sync: { key: "loopwatch" }, points: { size: 6 }, drag: { x: false, y: false } },
       legend: { live: true },
       scales: {
-        x: { time: true, range: stacked ? (u, min, max) => [min - half, max + half] : undefined },
+        // The requested window, as Grafana does: a lone bucket has no span of its own.
+        x: { time: true, range: () => (stacked ? [data.from - half, data.to + half] : [data.from, data.to]) },
         y: { range: (u, min, max) => [Math.min(0, min), max > 0 ? max * 1.1 : 1] },
       },
       axes: [
@@ -786,7 +802,7 @@
         width: stacked ? 0 : 2,
         fill: stacked ? color(s.color) : undefined,
         dash: s.dashed ? [8, 6] : undefined,
-        points: { show: false },
+        points: stacked ? { show: false } : { show: false, filter: isolatedPoints },
         spanGaps: false,
         paths: stacked ? uPlot.paths.bars({ size: [0.8, 48], gap: 1 }) : undefined,
         value: (u, v, si, idx) => fmt(idx === null ? lastValue(raw[i]) : raw[i][idx], unit, meta.decimals),

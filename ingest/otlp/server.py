@@ -149,6 +149,9 @@ class OtlpReceiver:
         self._stats_lock = threading.Lock()
         self._admission = threading.BoundedSemaphore(self.limits.max_inflight)
         self._cpu = threading.Lock()
+        self._server = Server(self._app(host), host, port, ConnectionLimits(
+            settings.http_header_timeout_s, self.limits.max_connections,
+            self.limits.retry_after_s), name="otlp-receiver")  # a taken port raises here
         self._workers = ThreadPoolExecutor(self.limits.max_inflight,
                                            thread_name_prefix="otlp-worker")
         self.emitter = Emitter(
@@ -158,9 +161,6 @@ class OtlpReceiver:
             captures_topic=settings.captures_topic,
             max_part_bytes=settings.capture_max_part_bytes,
         )
-        self._server = Server(self._app(host), host, port, ConnectionLimits(
-            settings.http_header_timeout_s, self.limits.max_connections,
-            self.limits.retry_after_s), name="otlp-receiver")
 
     def _app(self, host: str) -> ASGIApp:
         routes = [Route(path, self._export, methods=["POST"])

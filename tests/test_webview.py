@@ -14,6 +14,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -28,9 +29,9 @@ import pytest
 from dashboards.panels import OUTCOME_COLORS, panels_of
 from dashboards.sample import ensure_seeded
 from dashboards.web.api import BadRequest, NotFound, WebApi
-from dashboards.web.server import serve_in_thread
+from dashboards.web.server import make_server, serve_in_thread
 from loopwatch.store.reader import DirectReader
-from tests.conftest import ServiceLikeReader
+from tests.conftest import ServiceLikeReader, wait_for
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
@@ -191,6 +192,31 @@ def test_allowed_hosts_come_from_the_settings(seeded, monkeypatch):
         assert raw_get(url, "/api/health", "attacker.example")[0] == 200
     finally:
         stop()
+
+
+def test_idle_connections_cannot_fill_the_web_view(seeded, monkeypatch):
+    """Four connections that never send a byte fill a 4-connection web view: the next
+    visitor closes the longest-waiting one and is served (deadline far away, so it is
+    the cap at work, not the deadline)."""
+    monkeypatch.setenv("LOOPWATCH_WEB_MAX_CONNECTIONS", "4")
+    monkeypatch.setenv("LOOPWATCH_HTTP_HEADER_TIMEOUT_S", "600")
+    server = make_server(seeded[0], port=0)
+    server.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/"
+    idle = [socket.create_connection(("127.0.0.1", server.server_address[1]))
+            for _ in range(4)]
+    try:
+        wait_for(lambda: server.connection_states()["awaiting_headers"] == 4, 60,
+                 what="4 idle connections held")
+        assert raw_get(url, "/api/health")[:3:2] == (200, b'{"ok":true}')
+        assert server.stats.evicted == 1
+        assert idle[0].recv(1) == b""  # the oldest was closed; the others are held
+        wait_for(lambda: server.connection_states() == {"awaiting_headers": 3}, 60,
+                 what="the 3 other idle connections, and no more, still open")
+    finally:
+        for sock in idle:
+            sock.close()
+        server.stop()
 
 
 STATIC_TRICKS = [

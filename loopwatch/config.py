@@ -7,12 +7,13 @@ embedded stack: a Tansu broker on a free loopback port and chdb under the data d
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from ingest.events import TEST_TRAFFIC_SLICES
 from loopwatch.masking import safe_address, safe_url
@@ -166,6 +167,20 @@ class Settings(BaseSettings):
     web_token: str | None = Field(
         None, repr=False, description="require `Authorization: Bearer <token>` on the web view")
 
+    # -- the HTTP servers: web view and OTLP receiver (docs/operations.md) -------------
+    http_allowed_hosts: Annotated[tuple[str, ...], NoDecode] = Field(
+        (), description="Host names the web view (and the OTLP receiver without a token) "
+        "answer to besides localhost, 127.0.0.1, ::1 and the address they are bound to; "
+        "comma-separated or a JSON list; `*` = any (then nothing stops DNS rebinding). "
+        "Any other Host gets 421")
+    http_header_timeout_s: float = Field(
+        10.0, gt=0, description="a request's headers must be complete this long after its "
+        "connection opened or its previous response, or the connection is closed (408): "
+        "slowloris clients trickling header lines cannot hold connections")
+    web_max_connections: int = Field(
+        64, ge=1, description="open web view connections; over it the one that has waited "
+        "longest for headers is closed, so idle or slow clients cannot fill it")
+
     @field_validator("clickhouse_url")
     @classmethod
     def _http_only(cls, value: str | None) -> str | None:
@@ -174,6 +189,16 @@ class Settings(BaseSettings):
                 "LOOPWATCH_CLICKHOUSE_URL must start with http:// or https:// "
                 f"(got {safe_url(value)!r}); leave it unset to use the embedded chdb store"
             )
+        return value
+
+    @field_validator("http_allowed_hosts", mode="before")
+    @classmethod
+    def _host_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return tuple(name.strip() for name in text.split(",") if name.strip())
         return value
 
     @field_validator("kafka_bootstrap")

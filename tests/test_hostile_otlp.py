@@ -4,9 +4,14 @@ encodings), with a known-good OTLP export sent after the garbage and stored exac
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import random
+import socket
+import threading
+import urllib.error
+import urllib.request
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,9 +19,12 @@ from typing import Any
 
 import orjson
 import pytest
+from google.rpc import status_pb2
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.trace.export import SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from ingest.events import EventBase
@@ -27,6 +35,7 @@ from ingest.otlp.settings import OtlpSettings
 from ingest.wire import exact_json
 from loopwatch.config import Settings
 from loopwatch.embedded.broker import free_port
+from tests.conftest import wait_for
 from tests.test_hostile_pipeline import ODD_STRINGS, json_values
 from tests.test_otlp import RUN_SQL, _agent_spans, _otlp_json, _wait_closed, post
 
@@ -216,3 +225,249 @@ def test_http_receiver_answers_garbage_with_4xx_and_still_stores_a_good_export_e
     assert reader.query(RUN_SQL, {"a": agent}).rows == [["success", 2, 1, 1500, 100, 1000]]
     TRIED["HTTP requests"] = HTTP_BODIES + 1
     TRIED.update({f"HTTP {code}": n for code, n in sorted(statuses.items())})
+
+
+# -- slow clients: slowloris headers, slow bodies, connection floods ------------------
+
+TOKEN = "slow-t0ken"
+HEAD = b"POST /v1/traces HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+BODY_HEAD = (HEAD + b"Authorization: Bearer " + TOKEN.encode() + b"\r\n"
+             b"Content-Type: application/x-protobuf\r\nContent-Length: 100000\r\n\r\n")
+
+
+class SlowClients:
+    """Loopback connections that hold a receiver: header lines or body bytes trickled
+    every ``every_s`` from one thread, at most ``rounds`` times (bounded in count and
+    time), until ``close()``."""
+
+    def __init__(self, url: str, every_s: float = 5.0, rounds: int = 60) -> None:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        self.address = (host, int(port))
+        self.headers: list[socket.socket] = []
+        self.bodies: list[socket.socket] = []
+        self.every_s, self.rounds = every_s, rounds
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._trickle, daemon=True)
+
+    def open(self, head: bytes, count: int, into: list[socket.socket]) -> None:
+        for _ in range(count):
+            sock = socket.create_connection(self.address, timeout=10)
+            sock.sendall(head)
+            into.append(sock)
+
+    def _trickle(self) -> None:
+        for _ in range(self.rounds):
+            if self.stop.wait(self.every_s):
+                return
+            for sock, data in [*((s, b"X-Slow: 1\r\n") for s in self.headers),
+                               *((s, b"x") for s in self.bodies)]:
+                with contextlib.suppress(OSError):
+                    sock.sendall(data)
+
+    def open_count(self, sockets: list[socket.socket]) -> int:
+        """How many of ``sockets`` the server has not closed (a peek, never blocking)."""
+        alive = 0
+        for sock in sockets:
+            sock.setblocking(False)
+            try:
+                alive += sock.recv(1, socket.MSG_PEEK) != b""
+            except BlockingIOError:
+                alive += 1
+            except OSError:
+                pass
+            finally:
+                sock.setblocking(True)
+        return alive
+
+    def close(self) -> None:
+        self.stop.set()
+        for sock in [*self.headers, *self.bodies]:
+            sock.close()
+
+
+def _receiver(broker: Any, folder: Path, token: str | None = TOKEN, header_timeout_s: float = 600,
+              **limits: Any) -> OtlpReceiver:
+    running = OtlpReceiver(
+        Settings(data_dir=folder, max_message_bytes=200_000,
+                 http_header_timeout_s=header_timeout_s),
+        broker.bootstrap, "127.0.0.1", free_port(), token, limits=OtlpSettings(**limits))
+    running.start()
+    return running
+
+
+def test_a_real_exporter_is_served_while_128_slow_header_and_4_slow_body_clients_hold_on(
+        broker, pipeline, reader, agent, tmp_path):
+    """The finding: 128 unauthenticated clients trickling header lines every 5 s filled
+    every connection (exporters got 503), and 4 authenticated slow bodies held every
+    in-flight slot (429). Default limits (128 connections, 4 in flight), deadlines far
+    away so the slow clients are all still there: the 4 slow bodies each evict the
+    longest-waiting header client and hold a receive slot, not an in-flight one; the
+    OpenTelemetry SDK's exporter is served, overlapping them, and its run is stored
+    exactly."""
+    receiver = _receiver(broker, tmp_path, body_timeout_s=600)
+    slow = SlowClients(receiver.url)
+    try:
+        slow.open(HEAD, 128, slow.headers)
+        wait_for(lambda: receiver.server.connection_states()["awaiting_headers"] == 128, 60,
+                 what="128 slow-header connections held")
+        slow.open(BODY_HEAD + b"xx", 4, slow.bodies)
+        wait_for(lambda: receiver.receiving == 4, 60, what="4 slow bodies being received")
+        slow.thread.start()
+        assert receiver.server.connection_states() == {"awaiting_headers": 124, "in_request": 4}
+        assert receiver.server.stats.evicted == 4
+
+        memory = InMemorySpanExporter()
+        _agent_spans(agent, memory).force_flush()
+        exporter = OTLPSpanExporter(endpoint=f"{receiver.url}/v1/traces", timeout=60,
+                                    headers={"Authorization": f"Bearer {TOKEN}"})
+        assert exporter.export(list(memory.get_finished_spans())) == SpanExportResult.SUCCESS
+        exporter.shutdown()
+
+        assert receiver.receiving == 4  # overlap: the slow bodies were held all along
+        assert slow.open_count(slow.bodies) == 4
+        assert slow.open_count(slow.headers) == 123  # one more made room for the exporter
+        assert (receiver.stats.accepted, receiver.stats.spans) == (1, 4)
+    finally:
+        slow.close()
+        receiver.stop()
+    _wait_closed(reader, agent)
+    assert reader.query(RUN_SQL, {"a": agent}).rows == [["success", 2, 1, 1500, 100, 1000]]
+
+
+def _complete(answer: bytes) -> bool:
+    head, separator, body = answer.partition(b"\r\n\r\n")
+    lengths = [int(line.split(b":")[1]) for line in head.lower().split(b"\r\n")
+               if line.startswith(b"content-length:")]
+    return bool(separator) and len(body) >= (lengths[0] if lengths else 0)
+
+
+def _answer(sock: socket.socket, rounds: int, every_s: float, data: bytes) -> bytes:
+    """Send ``data`` every ``every_s`` (at most ``rounds`` times) until the server
+    answers or closes; returns what it sent (b"" = closed without a word)."""
+    sock.settimeout(every_s)
+    for _ in range(rounds):
+        try:
+            answer = sock.recv(65536)
+        except TimeoutError:
+            with contextlib.suppress(OSError):
+                sock.sendall(data)
+            continue
+        while answer and not _complete(answer):  # the rest of the answer
+            more = sock.recv(65536)
+            if not more:
+                break
+            answer += more
+        return answer
+    raise AssertionError(f"still held after {rounds} x {every_s}s")
+
+
+def test_slow_headers_and_idle_connections_are_cut_at_the_header_deadline(broker, tmp_path):
+    """Header deadline 1 s: a client trickling a header line every 0.2 s gets 408 and
+    is closed (it had 300 lines, 60 s, to send); a connection that never sends a byte,
+    and a keep-alive connection idle after its response, are closed too."""
+    receiver = _receiver(broker, tmp_path, token=None, header_timeout_s=1)
+    host, port = receiver.url.removeprefix("http://").rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(HEAD)
+            answer = _answer(sock, 300, 0.2, b"X-Slow: 1\r\n")
+        assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n")
+        assert answer.endswith(b"\r\n\r\nrequest headers not complete within 1s\n")
+        with socket.create_connection((host, int(port))) as sock:
+            assert _answer(sock, 300, 0.2, b"") == b""
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(HEAD.replace(b"\r\n", b"\r\nContent-Type: application/x-protobuf\r\n"
+                                      b"Content-Length: 0\r\n", 1) + b"\r\n")
+            first = _answer(sock, 300, 0.2, b"")
+            assert first.startswith(b"HTTP/1.1 200 OK\r\n")
+            assert _answer(sock, 300, 0.2, b"") == b""  # then idle: closed
+        assert receiver.server.stats.header_timeouts >= 2
+    finally:
+        receiver.stop()
+
+
+def test_a_slow_body_is_cut_at_its_deadline_and_its_slot_freed(broker, tmp_path):
+    """Body deadline 1 s, one receive slot: a body trickled a byte every 0.2 s gets 408
+    (as google.rpc.Status) and is closed; its slot is free again and the next request
+    is served."""
+    receiver = _receiver(broker, tmp_path, body_timeout_s=1, max_receiving=1)
+    host, port = receiver.url.removeprefix("http://").rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(BODY_HEAD)
+            answer = _answer(sock, 300, 0.2, b"x")
+        assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n")
+        assert b"\r\nconnection: close\r\n" in answer
+        status = status_pb2.Status.FromString(answer.split(b"\r\n\r\n", 1)[1])
+        assert (status.code, status.message) == (4, "body not received within 1s")
+        assert receiver.receiving == 0
+        assert post(receiver.url, b"", headers={"Authorization": f"Bearer {TOKEN}"})[0] == 200
+        assert receiver.stats.rejected[408] == 1
+    finally:
+        receiver.stop()
+
+
+def test_bodies_being_received_are_capped_and_the_rest_refused_before_their_body(
+        broker, tmp_path):
+    """Two receive slots held by slow bodies: a third request gets 429 + Retry-After
+    from its headers alone (its body is never sent) and its connection is closed; an
+    unauthenticated one gets 401 before its body, whatever Content-Length it claims."""
+    receiver = _receiver(broker, tmp_path, body_timeout_s=600, max_receiving=2)
+    slow = SlowClients(receiver.url)
+    try:
+        slow.open(BODY_HEAD, 2, slow.bodies)
+        wait_for(lambda: receiver.receiving == 2, 60, what="2 slow bodies being received")
+        for head, expected in ((BODY_HEAD, b"HTTP/1.1 429 Too Many Requests\r\n"),
+                               (BODY_HEAD.replace(TOKEN.encode(), b"wrong").replace(
+                                   b"100000", b"999999999"), b"HTTP/1.1 401 Unauthorized\r\n")):
+            with socket.create_connection(slow.address) as sock:
+                sock.sendall(head)
+                answer = _answer(sock, 300, 0.2, b"")
+                assert answer.startswith(expected), answer
+                assert b"\r\nconnection: close\r\n" in answer
+                assert sock.recv(1) == b""
+        assert receiver.stats.rejected[429] == 1 and receiver.stats.rejected[401] == 1
+    finally:
+        slow.close()
+        receiver.stop()
+
+
+def test_when_every_connection_is_inside_a_request_a_new_one_gets_503(broker, tmp_path):
+    receiver = _receiver(broker, tmp_path, body_timeout_s=600, max_receiving=3,
+                         max_connections=3)
+    slow = SlowClients(receiver.url)
+    try:
+        slow.open(BODY_HEAD, 3, slow.bodies)
+        wait_for(lambda: receiver.receiving == 3, 60, what="3 slow bodies being received")
+        with socket.create_connection(slow.address) as sock:
+            answer = _answer(sock, 300, 0.2, b"")
+        assert answer.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
+        assert b"\r\nretry-after: 2\r\n" in answer
+        assert receiver.server.stats.refused == 1 and slow.open_count(slow.bodies) == 3
+    finally:
+        slow.close()
+        receiver.stop()
+
+
+def test_without_a_token_a_foreign_host_is_refused_and_with_one_any_host_is_served(
+        broker, tmp_path):
+    """DNS rebinding: without a token a page rebinding attacker.example to 127.0.0.1
+    could post spans; refused with 421. With a token (deployments bind 0.0.0.0 and are
+    reached by service names) the token is the check."""
+    for token, expected in ((None, 421), (TOKEN, 200)):
+        receiver = _receiver(broker, tmp_path / str(expected), token=token)
+        try:
+            request = urllib.request.Request(
+                f"{receiver.url}/v1/traces", data=b"", method="POST",
+                headers={"Host": "attacker.example", "Authorization": f"Bearer {TOKEN}",
+                         "Content-Type": "application/x-protobuf"})
+            try:
+                with urllib.request.urlopen(request, timeout=60) as response:
+                    status = response.status
+            except urllib.error.HTTPError as error:
+                status, body = error.code, error.read()
+                assert body == (b"Host 'attacker.example' is not a name of this loopwatch "
+                                b"server; allow it with LOOPWATCH_HTTP_ALLOWED_HOSTS\n")
+            assert status == expected
+        finally:
+            receiver.stop()

@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from email.message import Message  # headers by any case: uvicorn sends lower case
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
@@ -367,14 +368,14 @@ def receiver(broker, pipeline, tmp_path) -> Iterator[OtlpReceiver]:
 
 
 def post(url: str, body: bytes, content_type: str = "application/x-protobuf",
-         headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+         headers: dict[str, str] | None = None) -> tuple[int, Message, bytes]:
     request = urllib.request.Request(f"{url}/v1/traces", data=body, method="POST",
                                      headers={"Content-Type": content_type, **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, dict(response.headers), response.read()
+            return response.status, response.headers, response.read()
     except urllib.error.HTTPError as error:
-        return error.code, dict(error.headers), error.read()
+        return error.code, error.headers, error.read()
 
 
 def _agent_spans(agent: str, exporter: Any) -> TracerProvider:

@@ -9,6 +9,7 @@ import logging
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from email.message import Message  # headers by any case: uvicorn sends lower case
 from pathlib import Path
 
 import pytest
@@ -33,13 +34,13 @@ class NoRedirect(urllib.request.HTTPRedirectHandler):
         return None
 
 
-def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, Message, bytes]:
     opener = urllib.request.build_opener(NoRedirect)
     try:
         with opener.open(urllib.request.Request(url, headers=headers or {}), timeout=30) as r:
-            return r.status, dict(r.headers), r.read()
+            return r.status, r.headers, r.read()
     except urllib.error.HTTPError as error:
-        return error.code, dict(error.headers), error.read()
+        return error.code, error.headers, error.read()
 
 
 @pytest.fixture(scope="module")

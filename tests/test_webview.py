@@ -11,12 +11,15 @@ test's temporary directory.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import socket
 import time
 import urllib.error
 import urllib.request
 from datetime import UTC, datetime
+from email.message import Message  # headers by any case: uvicorn sends lower case
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +29,9 @@ import pytest
 from dashboards.panels import OUTCOME_COLORS, panels_of
 from dashboards.sample import ensure_seeded
 from dashboards.web.api import BadRequest, NotFound, WebApi
-from dashboards.web.server import serve_in_thread
+from dashboards.web.server import make_server, serve_in_thread
 from loopwatch.store.reader import DirectReader
-from tests.conftest import ServiceLikeReader
+from tests.conftest import ServiceLikeReader, wait_for
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
@@ -101,7 +104,7 @@ def test_run_drilldown_shows_the_loop(api, seeded):
         api.run("no-such-run", {})
 
 
-def get(url: str) -> tuple[int, dict[str, str], bytes]:
+def get(url: str) -> tuple[int, Message, bytes]:
     class NoRedirect(urllib.request.HTTPRedirectHandler):
         def redirect_request(self, *args: Any, **kwargs: Any) -> None:
             return None
@@ -109,9 +112,9 @@ def get(url: str) -> tuple[int, dict[str, str], bytes]:
     opener = urllib.request.build_opener(NoRedirect)
     try:
         with opener.open(url, timeout=30) as response:
-            return response.status, dict(response.headers), response.read()
+            return response.status, response.headers, response.read()
     except urllib.error.HTTPError as exc:
-        return exc.code, dict(exc.headers), exc.read()
+        return exc.code, exc.headers, exc.read()
 
 
 def test_http_endpoints(server, seeded):
@@ -129,6 +132,132 @@ def test_http_endpoints(server, seeded):
     assert status == 302 and headers["Location"] == f"/#/run/{seeded[1]}"
     status, headers, body = get(f"{server}static/vendor/uplot/uPlot.iife.min.js")
     assert status == 200 and body.startswith(b"/*! https://github.com/leeoniya/uPlot (v1.6.32)")
+
+
+def raw_get(server: str, path: str, host: str | None = None) -> tuple[int, Message, bytes]:
+    """GET ``path`` exactly as written (no client-side normalising), with this ``Host``."""
+    port = int(server.rstrip("/").rsplit(":", 1)[1])
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.putrequest("GET", path, skip_host=True, skip_accept_encoding=True)
+        conn.putheader("Host", f"127.0.0.1:{port}" if host is None else host)
+        conn.endheaders()
+        response = conn.getresponse()
+        return response.status, response.headers, response.read()
+    finally:
+        conn.close()
+
+
+FOREIGN_HOSTS = ["attacker.example:{port}", "attacker.example", "127.0.0.1.attacker.example",
+                 "localhost.attacker.example:{port}", "[::2]:{port}", "127.0.0.2", "",
+                 "localhost:{port}:{port}", "0.0.0.0:{port}"]
+OWN_HOSTS = ["127.0.0.1:{port}", "localhost:{port}", "LOCALHOST", "[::1]:{port}", "127.0.0.1"]
+
+
+def test_a_foreign_host_is_refused_in_one_line_so_dns_rebinding_reads_nothing(
+        server, captured_loop):
+    """A page on attacker.example that rebinds its name to 127.0.0.1 sends its own name
+    in Host: refused with 421 and one line naming the setting, before any data is read;
+    the server's own names are served."""
+    loop_run, _ = captured_loop
+    port = server.rstrip("/").rsplit(":", 1)[1]
+    for host in FOREIGN_HOSTS:
+        status, headers, body = raw_get(server, f"/api/replay/{loop_run}",
+                                        host.format(port=port))
+        assert (status, headers["Content-Type"]) == (421, "text/plain; charset=utf-8"), host
+        assert body.endswith(b"; allow it with LOOPWATCH_HTTP_ALLOWED_HOSTS\n"), body
+        assert body.count(b"\n") == 1 and b"search again" not in body
+        assert "default-src 'self'" in headers["Content-Security-Policy"]
+        assert raw_get(server, "/", host.format(port=port))[0] == 421
+    for host in OWN_HOSTS:
+        status, _, body = raw_get(server, f"/api/replay/{loop_run}", host.format(port=port))
+        assert status == 200 and b"search again" in body, host
+    assert raw_get(server, "/", "attacker.example")[2] == (
+        b"Host 'attacker.example' is not a name of this loopwatch server; "
+        b"allow it with LOOPWATCH_HTTP_ALLOWED_HOSTS\n")
+
+
+def test_allowed_hosts_come_from_the_settings(seeded, monkeypatch):
+    monkeypatch.setenv("LOOPWATCH_HTTP_ALLOWED_HOSTS", "loopwatch.internal, Ops.Example")
+    url, stop = serve_in_thread(seeded[0])
+    try:
+        assert [raw_get(url, "/api/health", host)[0] for host in (
+            "loopwatch.internal:80", "ops.example", "attacker.example", "127.0.0.1")] == [
+            200, 200, 421, 200]
+    finally:
+        stop()
+    monkeypatch.setenv("LOOPWATCH_HTTP_ALLOWED_HOSTS", "*")
+    url, stop = serve_in_thread(seeded[0])
+    try:
+        assert raw_get(url, "/api/health", "attacker.example")[0] == 200
+    finally:
+        stop()
+
+
+def test_idle_connections_cannot_fill_the_web_view(seeded, monkeypatch):
+    """Four connections that never send a byte fill a 4-connection web view: the next
+    visitor closes the longest-waiting one and is served (deadline far away, so it is
+    the cap at work, not the deadline)."""
+    monkeypatch.setenv("LOOPWATCH_WEB_MAX_CONNECTIONS", "4")
+    monkeypatch.setenv("LOOPWATCH_HTTP_HEADER_TIMEOUT_S", "600")
+    server = make_server(seeded[0], port=0)
+    server.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/"
+    idle = [socket.create_connection(("127.0.0.1", server.server_address[1]))
+            for _ in range(4)]
+    try:
+        wait_for(lambda: server.connection_states()["awaiting_headers"] == 4, 60,
+                 what="4 idle connections held")
+        assert raw_get(url, "/api/health")[:3:2] == (200, b'{"ok":true}')
+        assert server.stats.evicted == 1
+        assert idle[0].recv(1) == b""  # the oldest was closed; the others are held
+        wait_for(lambda: server.connection_states() == {"awaiting_headers": 3}, 60,
+                 what="the 3 other idle connections, and no more, still open")
+    finally:
+        for sock in idle:
+            sock.close()
+        server.stop()
+
+
+STATIC_TRICKS = [
+    "/static/%00index.html", "/%00", "/static/index.html%00.js", "/static/app.js%00",
+    "/static/../server.py", "/static/%2e%2e/server.py", "/static/..%2fserver.py",
+    "/static/%2e%2e%2fserver.py", "/static/%252e%252e/server.py", "/static/.%2e/api.py",
+    "/../../../../etc/passwd", "/%2e%2e/%2e%2e/%2e%2e/%2e%2e/etc/passwd",
+    "/static//etc/passwd", "/static/%2fetc%2fpasswd", "//etc/passwd", "/etc/passwd",
+    "/static/vendor/../../api.py", "/static/vendor/uplot/../../../server.py",
+    "/static/..\\server.py", "/static/%5c..%5cserver.py", "/static/%E2%80%A5/server.py",
+    "/proc/self/environ", "/static/outside.txt", "/outside.txt", "/static/inside-dir/",
+    "/static/vendor/", "/static/%ff", "/static/" + "a" * 5000,
+]
+
+
+def test_static_path_tricks_are_404_and_never_a_file_outside_static(seeded, server, tmp_path):
+    """NUL bytes, dot segments raw or percent-encoded (once or twice), absolute paths,
+    backslashes and a symlink out of the static directory: 404, never a 500 and never a
+    byte of a file outside it."""
+    for path in ("/static/%00index.html", "/static/%2e%2e/server.py", "/%2e%2e/server.py",
+                 "/static/%2e%2e/api.py"):  # the real static/, next to the modules
+        status, _, body = raw_get(server, path)
+        assert status == 404 and b"import" not in body, path
+    static = tmp_path / "static"
+    static.mkdir()
+    (static / "index.html").write_text("<!doctype html><p>inside")
+    (static / "inside-dir").mkdir()
+    (tmp_path / "outside.txt").write_text("OUTSIDE-SECRET")
+    (static / "outside.txt").symlink_to(tmp_path / "outside.txt")
+    for name in ("server.py", "api.py"):
+        (tmp_path / name).write_text("OUTSIDE-SECRET")
+    url, stop = serve_in_thread(seeded[0], static=static)
+    try:
+        answers = {path: raw_get(url, path) for path in STATIC_TRICKS}
+        assert {path: status for path, (status, _, _) in answers.items()} == dict.fromkeys(
+            STATIC_TRICKS, 404)
+        for _status, _, body in answers.values():
+            assert b"OUTSIDE-SECRET" not in body and b"root:" not in body
+        assert raw_get(url, "/")[2] == b"<!doctype html><p>inside"
+    finally:
+        stop()
 
 
 # --- the page in a real browser ------------------------------------------------------------

@@ -1,35 +1,43 @@
-"""The web view's HTTP server: a static page and JSON endpoints, stdlib only.
+"""The web view's HTTP server: a static page and JSON endpoints (Starlette on uvicorn).
 
 Endpoints: ``/api/panels`` (the catalog), ``/api/panel/<id>?from=&to=&agent=...``,
 ``/api/alerts``, ``/api/runs/<run_id>``, ``/api/annotations``, ``/api/variables``,
 ``/api/health``, ``/api/replay/<run_id>``, ``/api/economics?agent=``;
 ``/runs/<run_id>`` redirects into the page's drill-down so alert links
-(``LOOPWATCH_LINK_BASE_URL``) land there. Everything else is a file under ``static/``.
+(``LOOPWATCH_LINK_BASE_URL``) land there. Everything else is a file under ``static/``
+(Starlette's ``StaticFiles``: nothing outside it, symlinks out of it included, 404).
 
 It binds 127.0.0.1 unless told otherwise: the page shows what agents did, so it is a
-local tool (put an authenticating proxy in front to share it). With a token
+local tool (put an authenticating proxy in front to share it). It answers only to its
+own host names (``LOOPWATCH_HTTP_ALLOWED_HOSTS`` adds some; anything else is 421), so
+a page elsewhere cannot rebind its DNS name to 127.0.0.1 and read it. With a token
 (``LOOPWATCH_WEB_TOKEN``, or ``token=``) every request, static files included, needs
 ``Authorization: Bearer <token>`` or the ``loopwatch_token`` cookie; a browser gets the
 cookie by opening any page once with ``?token=<token>`` (then redirected without it).
 Without them: 401 (JSON for ``/api/``, a short page saying how for the rest).
+Connections get the header deadline and cap of :mod:`loopwatch.httpserver`.
 """
 
 from __future__ import annotations
 
 import hmac
-import mimetypes
-import threading
 from collections.abc import Callable
-from http.cookies import SimpleCookie
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
+from urllib.parse import parse_qs, quote, urlencode
 
 import orjson
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dashboards.macros import MacroError
 from dashboards.web.api import BadRequest, NotFound, WebApi, catalog
+from loopwatch.httpserver import ConnectionLimits, HostCheck, Server, allowed_hosts
 from loopwatch.store.reader import QueryError, Reader
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -40,6 +48,7 @@ SECURITY_HEADERS = {
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
 }
+_SECURITY = [(name.lower().encode(), value.encode()) for name, value in SECURITY_HEADERS.items()]
 
 
 def _dumps(body: Any) -> bytes:
@@ -59,151 +68,161 @@ def configured_token() -> str | None:
     return load_settings().web_token or None
 
 
-def make_handler(api: WebApi, token: str | None = None) -> type[BaseHTTPRequestHandler]:
-    """A request handler class bound to ``api``; ``token`` set = bearer auth required."""
-    expected = f"Bearer {token}".encode() if token else b""
+def _json(code: int, body: Any) -> Response:
+    return Response(_dumps(body), code, {"Cache-Control": "no-store"},
+                    media_type="application/json")
 
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "loopwatch-web"
 
-        def _admitted(self, path: str, params: dict[str, list[str]]) -> bool:
-            """True to go on; False when the request has been answered (401, or the
-            redirect that trades ``?token=`` for the cookie)."""
-            if not token:
-                return True
-            given = self.headers.get("Authorization", "").encode()
-            cookies = SimpleCookie(self.headers.get("Cookie", ""))
-            if COOKIE in cookies:
-                given = given or f"Bearer {cookies[COOKIE].value}".encode()
-            if hmac.compare_digest(given, expected):
-                return True
-            offered = params.get("token", [""])[0]
-            if offered and hmac.compare_digest(offered.encode(), token.encode()):
-                rest = urlencode([(k, v) for k, vs in params.items() if k != "token"
-                                  for v in vs], doseq=True)
-                self._send(302, b"", "text/plain", {
-                    "Location": quote(path) + (f"?{rest}" if rest else ""),
-                    "Set-Cookie": f"{COOKIE}={token}; HttpOnly; SameSite=Strict; Path=/",
-                    "Cache-Control": "no-store"})
-                return False
-            challenge = {"WWW-Authenticate": 'Bearer realm="loopwatch"',
-                         "Cache-Control": "no-store"}
-            if path.startswith("/api/"):
-                self._send(401, _dumps({"error": "missing or wrong bearer token"}),
-                           "application/json", challenge)
-            else:
-                self._send(401, TOKEN_PAGE, "text/html; charset=utf-8", challenge)
-            return False
+class _SecurityHeaders:
+    """Every response, refusals included, carries the CSP and friends."""
 
-        def log_message(self, format: str, *args: Any) -> None:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), *_SECURITY]
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+class _TokenGate:
+    """Bearer token or cookie on every request; ``?token=`` trades for the cookie."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.token = token
+        self.expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
             return
+        request = Request(scope)
+        given = request.headers.get("Authorization", "").encode()
+        if COOKIE in request.cookies:
+            given = given or f"Bearer {request.cookies[COOKIE]}".encode()
+        if hmac.compare_digest(given, self.expected):
+            await self.app(scope, receive, send)
+            return
+        await self._refusal(request)(scope, receive, send)
 
-        def _send(self, code: int, body: bytes, content_type: str,
-                  extra: dict[str, str] | None = None) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            for name, value in {**SECURITY_HEADERS, **(extra or {})}.items():
-                self.send_header(name, value)
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(body)
+    def _refusal(self, request: Request) -> Response:
+        params = request.query_params.multi_items()
+        offered = request.query_params.get("token", "")
+        path = request.url.path
+        if offered and hmac.compare_digest(offered.encode(), self.token.encode()):
+            rest = urlencode([(k, v) for k, v in params if k != "token"])
+            return Response(b"", 302, {
+                "Location": quote(path) + (f"?{rest}" if rest else ""),
+                "Set-Cookie": f"{COOKIE}={self.token}; HttpOnly; SameSite=Strict; Path=/",
+                "Cache-Control": "no-store"}, media_type="text/plain")
+        challenge = {"WWW-Authenticate": 'Bearer realm="loopwatch"', "Cache-Control": "no-store"}
+        if path.startswith("/api/"):
+            return Response(_dumps({"error": "missing or wrong bearer token"}), 401, challenge,
+                            media_type="application/json")
+        return Response(TOKEN_PAGE, 401, challenge, media_type="text/html")
 
-        def _json(self, code: int, body: Any) -> None:
-            self._send(code, _dumps(body), "application/json",
-                       {"Cache-Control": "no-store"})
 
-        def do_HEAD(self) -> None:
-            self.do_GET()
+class _Static(StaticFiles):
+    """``static/`` with revalidation on every load (the page changes with loopwatch)."""
 
-        def do_GET(self) -> None:
-            parts = urlsplit(self.path)
-            path = unquote(parts.path)
-            params = parse_qs(parts.query, keep_blank_values=True)
-            if not self._admitted(path, params):
-                return
-            try:
-                if path.startswith("/api/"):
-                    self._json(200, self._api(path[len("/api/"):], params))
-                elif path.startswith("/runs/"):
-                    target = "/#/run/" + quote(path[len("/runs/"):], safe="")
-                    self._send(302, b"", "text/plain", {"Location": target})
-                else:
-                    self._static(path)
-            except BadRequest as exc:
-                self._json(400, {"error": str(exc)})
-            except NotFound as exc:
-                self._json(404, {"error": str(exc)})
-            except (QueryError, MacroError) as exc:
-                self._json(502, {"error": f"query failed: {exc}"})
-            except Exception as exc:  # keep serving; say what broke
-                self._json(500, {"error": f"{type(exc).__name__}: {exc}"})
+    def file_response(self, *args: Any, **kwargs: Any) -> Response:
+        response = super().file_response(*args, **kwargs)
+        response.headers["Cache-Control"] = "no-cache"
+        return response
 
-        def _api(self, route: str, params: dict[str, list[str]]) -> Any:
-            if route == "health":
-                return {"ok": True}
-            if route == "panels":
-                return catalog()
-            if route.startswith("panel/"):
-                return api.panel(route[len("panel/"):], params)
-            if route == "alerts":
-                return api.alerts(params)
-            if route.startswith("runs/"):
-                return api.run(route[len("runs/"):], params)
-            if route == "annotations":
-                return api.annotations(params)
-            if route == "variables":
-                return api.variables()
-            if route.startswith("replay/"):
-                return api.replay(route[len("replay/"):])
-            if route == "economics":
-                return api.economics(params)
-            raise NotFound(f"no endpoint /api/{route}")
 
-        def _static(self, path: str) -> None:
-            relative = "index.html" if path in ("", "/") else path.lstrip("/")
-            if relative.startswith("static/"):
-                relative = relative[len("static/"):]
-            file = (STATIC / relative).resolve()
-            if not file.is_relative_to(STATIC) or not file.is_file():
-                raise NotFound(f"no such page {path}")
-            content_type = mimetypes.guess_type(file.name)[0] or "application/octet-stream"
-            if content_type.startswith("text/") or file.suffix == ".js":
-                content_type += "; charset=utf-8"
-            self._send(200, file.read_bytes(), content_type, {"Cache-Control": "no-cache"})
+def make_app(api: WebApi, token: str | None = None, allowed: frozenset[str] | None = None,
+             static: Path = STATIC) -> ASGIApp:
+    """The web view as an ASGI app; ``allowed`` Host names (None: any), ``token`` set =
+    bearer auth required, ``static`` the directory of the page."""
 
-    return Handler
+    def api_endpoint(request: Request) -> Response:
+        params = parse_qs(request.url.query, keep_blank_values=True)
+        try:
+            return _json(200, _route(api, request.path_params["route"], params))
+        except BadRequest as exc:
+            return _json(400, {"error": str(exc)})
+        except NotFound as exc:
+            return _json(404, {"error": str(exc)})
+        except (QueryError, MacroError) as exc:
+            return _json(502, {"error": f"query failed: {exc}"})
+        except Exception as exc:  # keep serving; say what broke
+            return _json(500, {"error": f"{type(exc).__name__}: {exc}"})
+
+    def run_link(request: Request) -> Response:
+        target = "/#/run/" + quote(request.path_params["run_id"], safe="")
+        return RedirectResponse(target, 302)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        detail = f"no such page {request.url.path}" if status == 404 else str(exc)
+        return _json(status, {"error": detail})
+
+    app: ASGIApp = Starlette(
+        routes=[Route("/api/{route:path}", api_endpoint, methods=["GET"]),
+                Route("/runs/{run_id:path}", run_link, methods=["GET"]),
+                Mount("/static", _Static(directory=static)),
+                Mount("/", _Static(directory=static, html=True))],
+        exception_handlers={HTTPException: http_error})
+    if token:
+        app = _TokenGate(app, token)
+    return _SecurityHeaders(HostCheck(app, allowed))
+
+
+def _route(api: WebApi, route: str, params: dict[str, list[str]]) -> Any:
+    if route == "health":
+        return {"ok": True}
+    if route == "panels":
+        return catalog()
+    if route.startswith("panel/"):
+        return api.panel(route[len("panel/"):], params)
+    if route == "alerts":
+        return api.alerts(params)
+    if route.startswith("runs/"):
+        return api.run(route[len("runs/"):], params)
+    if route == "annotations":
+        return api.annotations(params)
+    if route == "variables":
+        return api.variables()
+    if route.startswith("replay/"):
+        return api.replay(route[len("replay/"):])
+    if route == "economics":
+        return api.economics(params)
+    raise NotFound(f"no endpoint /api/{route}")
 
 
 def make_server(reader: Reader, host: str = "127.0.0.1", port: int = 8765,
-                token: str | None = None) -> ThreadingHTTPServer:
-    """``token=None``: the configured ``web_token`` (none configured: no auth)."""
-    token = configured_token() if token is None else token
-    server = ThreadingHTTPServer((host, port), make_handler(WebApi(reader), token or None))
-    server.daemon_threads = True
-    return server
+                token: str | None = None, static: Path = STATIC) -> Server:
+    """``token=None``: the configured ``web_token`` (none configured: no auth). Host
+    names, header deadline and connection cap come from the settings."""
+    from loopwatch.config import load_settings
+
+    settings = load_settings()
+    token = settings.web_token if token is None else token
+    app = make_app(WebApi(reader), token or None,
+                   allowed_hosts(host, settings.http_allowed_hosts), static)
+    return Server(app, host, port, ConnectionLimits(
+        settings.http_header_timeout_s, settings.web_max_connections), name="loopwatch-web")
 
 
-def _url(server: ThreadingHTTPServer) -> str:
-    host, port = server.server_address[:2]
+def _url(server: Server) -> str:
+    host, port = server.server_address
     shown = "127.0.0.1" if host in ("0.0.0.0", "") else str(host)
     return f"http://{shown}:{port}/"
 
 
 def serve_in_thread(reader: Reader, host: str = "127.0.0.1", port: int = 0,
-                    token: str | None = None) -> tuple[str, Callable[[], None]]:
+                    token: str | None = None, static: Path = STATIC
+                    ) -> tuple[str, Callable[[], None]]:
     """Start the page in a daemon thread (for ``loopwatch demo``/``up``); returns its URL
     and a function that stops it. ``port=0`` picks a free port."""
-    server = make_server(reader, host, port, token)
-    thread = threading.Thread(target=server.serve_forever, name="loopwatch-web", daemon=True)
-    thread.start()
-
-    def stop() -> None:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
-
-    return _url(server), stop
+    server = make_server(reader, host, port, token, static)
+    server.start()
+    return _url(server), server.stop
 
 
 def serve_forever(reader: Reader, host: str = "127.0.0.1", port: int = 8765,
@@ -213,9 +232,4 @@ def serve_forever(reader: Reader, host: str = "127.0.0.1", port: int = 8765,
     server = make_server(reader, host, port, token)
     if on_ready is not None:
         on_ready(_url(server))
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
+    server.serve_forever()

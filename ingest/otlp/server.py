@@ -6,31 +6,39 @@ Answers (OTLP/HTTP semantics, so stock exporters retry what is worth retrying):
   capture messages of span content (redacted; docs/capture.md), and the dead letters
   of spans that could not be mapped, which are reported back as
   ``partial_success.rejected_spans`` with the reason);
-- 400 with the reason for a body that is not an OTLP trace request, 413 over
-  ``max_body_bytes`` (checked before and after decompression), 415 for an unknown
-  content type or encoding, 401 without the configured bearer token;
-- 429 + Retry-After when ``max_inflight`` requests are already being worked on, and
-  503 + Retry-After when the broker does not acknowledge within
-  ``publish_timeout_s`` or is unreachable, or ``max_connections`` are open. Work in
-  memory is therefore bounded by ``max_inflight x max_body_bytes`` (plus its events),
-  however slow the broker; the client keeps the data and retries.
+- checked from the headers, before any of the body is read (and the connection then
+  closed): 401 without the configured bearer token, 415 for an unknown content type or
+  encoding, 411 without Content-Length, 413 over ``max_body_bytes``, 429 + Retry-After
+  when ``max_receiving`` bodies are already arriving, 421 for a foreign ``Host`` when
+  no token is configured (DNS rebinding; :mod:`loopwatch.httpserver`);
+- 408 when the body does not arrive within ``body_timeout_s``; 400 with the reason for
+  a body that is not an OTLP trace request, 413 over ``max_body_bytes`` after
+  decompression;
+- 429 + Retry-After when ``max_inflight`` requests are already being decoded and
+  published, and 503 + Retry-After when the broker does not acknowledge within
+  ``publish_timeout_s`` or is unreachable.
 
-Threads: one per connection (stdlib ``ThreadingHTTPServer``, HTTP/1.1 keep-alive),
-admission by a semaphore; kafka-python's producer is shared and thread-safe.
+Memory is bounded by ``(max_receiving + max_inflight) x max_body_bytes`` plus their
+events, however slow the broker or the clients; the client keeps the data and retries.
+A slow body holds a receive slot, never an in-flight one, and only until its deadline.
+
+Runs on uvicorn + Starlette (:mod:`loopwatch.httpserver`: header deadline, a
+connection cap slow clients cannot exhaust): one event loop thread reads requests,
+``max_inflight`` worker threads decompress, decode, map and publish (kafka-python's
+producer is shared and thread-safe).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import threading
 import zlib
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from socket import socket
 from typing import Any
-from urllib.parse import urlsplit
 
 import orjson
 from kafka.errors import KafkaError
@@ -38,6 +46,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTracePartialSuccess,
     ExportTraceServiceResponse,
 )
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp
 
 from ingest.otlp.decode import DecodedRequest, PayloadError, decode_json, decode_protobuf
 from ingest.otlp.mapping import MappedBatch, map_spans
@@ -45,6 +59,7 @@ from ingest.otlp.settings import OtlpSettings, load_otlp_settings
 from ingest.redact import Redactor
 from ingest.sdk import Emitter
 from loopwatch.config import Settings
+from loopwatch.httpserver import ConnectionLimits, HostCheck, Server, allowed_hosts
 
 log = logging.getLogger(__name__)
 
@@ -52,18 +67,20 @@ TRACES_PATH = "/v1/traces"
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
 # google.rpc.Code for the Status body OTLP/HTTP asks for on errors.
-_RPC_CODES = {400: 3, 401: 16, 404: 5, 405: 12, 411: 3, 413: 8, 415: 3, 429: 8, 503: 14}
+_RPC_CODES = {400: 3, 401: 16, 404: 5, 405: 12, 408: 4, 411: 3, 413: 8, 415: 3, 429: 8,
+              503: 14}
+ENCODINGS = ("", "identity", "gzip", "deflate")
 
 
 class _Reject(Exception):
-    """Answer with this status and reason; ``drain`` reads the unread body first."""
+    """Answer with this status and reason; ``close`` when the body was left unread."""
 
-    def __init__(self, status: int, reason: str, *, drain: bool = True,
+    def __init__(self, status: int, reason: str, *, close: bool = False,
                  retry_after: int | None = None) -> None:
         super().__init__(reason)
         self.status = status
         self.reason = reason
-        self.drain = drain
+        self.close = close
         self.retry_after = retry_after
 
 
@@ -113,149 +130,12 @@ def decompress(body: bytes, encoding: str, limit: int) -> bytes:
     return out
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 128
-
-    def __init__(self, address: tuple[str, int], receiver: OtlpReceiver) -> None:
-        self.receiver = receiver
-        self._open = 0
-        self._open_lock = threading.Lock()
-        super().__init__(address, _Handler)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        with self._open_lock:
-            full = self._open >= self.receiver.limits.max_connections
-            if not full:
-                self._open += 1
-        if full:
-            self.receiver.count_rejected(503)
-            retry = self.receiver.limits.retry_after_s
-            try:
-                sock: socket = request
-                sock.sendall(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: "
-                             + str(retry).encode()
-                             + b"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            with self._open_lock:
-                self._open -= 1
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    timeout = 60
-    server: _Server
-    body_read = False
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("otlp %s " + format, self.client_address[0], *args)
-
-    def do_POST(self) -> None:
-        receiver = self.server.receiver
-        json_wanted = self.headers.get("Content-Type", "").split(";")[0].strip() == JSON
-        self.body_read = False
-        try:
-            status, body = receiver.handle(self, json_wanted)
-        except Exception as exc:
-            if not isinstance(exc, _Reject):
-                log.exception("OTLP request failed")
-            reject = exc if isinstance(exc, _Reject) else _Reject(500, "internal error")
-            receiver.count_rejected(reject.status)
-            if reject.drain:
-                self._drain()
-            else:
-                self.close_connection = True
-            self._respond_error(reject, json_wanted)
-            return
-        self._send(status, body, JSON if json_wanted else PROTOBUF)
-
-    def do_GET(self) -> None:
-        self._drain()
-        self._respond_error(_Reject(405 if self._path() == TRACES_PATH else 404,
-                                    "POST OTLP trace requests to /v1/traces"), True)
-
-    def _path(self) -> str:
-        return urlsplit(self.path).path.rstrip("/") or "/"
-
-    def _content_length(self) -> int | None:
-        raw = self.headers.get("Content-Length")
-        if raw is None or not raw.strip().isdigit():
-            return None
-        return int(raw)
-
-    def _drain(self) -> None:
-        """Read and drop an unread body (it is within the size limit), keeping the
-        connection usable for the client's next request."""
-        if self.body_read:
-            return
-        self.body_read = True
-        remaining = self._content_length() or 0
-        if remaining > self.server.receiver.limits.max_body_bytes:
-            self.close_connection = True
-            return
-        while remaining > 0:
-            chunk = self.rfile.read(min(remaining, 65536))
-            if not chunk:
-                break
-            remaining -= len(chunk)
-
-    def read_body(self) -> bytes:
-        length = self._content_length()
-        if length is None:
-            raise _Reject(411, "Content-Length required", drain=False)
-        limit = self.server.receiver.limits.max_body_bytes
-        if length > limit:
-            raise _Reject(413, f"body of {length} bytes over the {limit}-byte limit",
-                          drain=False)
-        self.body_read = True
-        body = self.rfile.read(length)
-        if len(body) < length:
-            raise _Reject(400, "body shorter than its Content-Length", drain=False)
-        return body
-
-    def _respond_error(self, reject: _Reject, json_wanted: bool) -> None:
-        code = _RPC_CODES.get(reject.status, 2)
-        if json_wanted:
-            body, kind = orjson.dumps({"code": code, "message": reject.reason}), JSON
-        else:
-            body, kind = rpc_status(code, reject.reason), PROTOBUF
-        headers = {}
-        if reject.retry_after is not None:
-            headers["Retry-After"] = str(reject.retry_after)
-        if reject.status == 401:
-            headers["WWW-Authenticate"] = 'Bearer realm="loopwatch"'
-        self._send(reject.status, body, kind, headers)
-
-    def _send(self, status: int, body: bytes, kind: str,
-              headers: dict[str, str] | None = None) -> None:
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(body)))
-            for name, value in (headers or {}).items():
-                self.send_header(name, value)
-            if self.close_connection:
-                self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(body)
-        except OSError:
-            self.close_connection = True
-
-
 class OtlpReceiver:
     """The receiver as a service: ``start()`` returns its URL, ``stop()`` ends it.
 
-    ``settings`` supplies the topic and message size; ``limits`` the receiver's own
-    knobs (read from ``LOOPWATCH_OTLP_*`` when not given). ``token`` enables bearer auth.
+    ``settings`` supplies the topic, message size, header deadline and allowed hosts;
+    ``limits`` the receiver's own knobs (read from ``LOOPWATCH_OTLP_*`` when not given).
+    ``token`` enables bearer auth. Binds at construction: a taken port is an OSError.
     """
 
     def __init__(self, settings: Settings, bootstrap: str, host: str = "127.0.0.1",
@@ -265,9 +145,15 @@ class OtlpReceiver:
         self.limits = limits or load_otlp_settings()
         self.token = token
         self.stats = ReceiverStats()
+        self.receiving = 0  # bodies being read; changed on the event loop thread only
         self._stats_lock = threading.Lock()
         self._admission = threading.BoundedSemaphore(self.limits.max_inflight)
         self._cpu = threading.Lock()
+        self._server = Server(self._app(host), host, port, ConnectionLimits(
+            settings.http_header_timeout_s, self.limits.max_connections,
+            self.limits.retry_after_s), name="otlp-receiver")  # a taken port raises here
+        self._workers = ThreadPoolExecutor(self.limits.max_inflight,
+                                           thread_name_prefix="otlp-worker")
         self.emitter = Emitter(
             bootstrap, settings.events_topic, settings.spool_dir / "otlp-receiver",
             max_message_bytes=max(1024, settings.max_message_bytes - 4096),
@@ -275,13 +161,18 @@ class OtlpReceiver:
             captures_topic=settings.captures_topic,
             max_part_bytes=settings.capture_max_part_bytes,
         )
-        self._server = _Server((host, port), self)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
-                                        name="otlp-receiver")
+
+    def _app(self, host: str) -> ASGIApp:
+        routes = [Route(path, self._export, methods=["POST"])
+                  for path in (TRACES_PATH, TRACES_PATH + "/")]
+        app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_error})
+        if self.token is not None:  # a rebinding page cannot have the token
+            return app
+        return HostCheck(app, allowed_hosts(host, self.settings.http_allowed_hosts))
 
     @property
     def url(self) -> str:
-        host, port = self._server.server_address[:2]
+        host, port = self._server.server_address
         return f"http://{host!s}:{port}"
 
     @property
@@ -289,15 +180,19 @@ class OtlpReceiver:
         """Requests admitted and not yet answered."""
         return self.limits.max_inflight - self._admission._value  # type: ignore[attr-defined]
 
+    @property
+    def server(self) -> Server:
+        """The HTTP server (connection states and counters, for tests and status)."""
+        return self._server
+
     def start(self) -> str:
-        self._thread.start()
+        self._server.start()
         log.info("OTLP/HTTP receiver on %s%s", self.url, TRACES_PATH)
         return self.url
 
     def stop(self) -> None:
-        if self._thread.is_alive():  # shutdown() waits for serve_forever to have run
-            self._server.shutdown()
-        self._server.server_close()
+        self._server.stop()
+        self._workers.shutdown(wait=True, cancel_futures=True)
         self.emitter.close(timeout_s=5)
 
     def count_rejected(self, status: int) -> None:
@@ -307,23 +202,70 @@ class OtlpReceiver:
 
     # -- one request ------------------------------------------------------------------
 
-    def handle(self, request: _Handler, json_wanted: bool) -> tuple[int, bytes]:
-        """Check, decode, map, publish; returns (200, response body) or raises _Reject."""
-        if request._path() != TRACES_PATH:
-            raise _Reject(404, f"no such path {request._path()!r}; use {TRACES_PATH}")
-        if self.token is not None and not hmac.compare_digest(
-                request.headers.get("Authorization", "").encode(),
-                f"Bearer {self.token}".encode()):
-            raise _Reject(401, "missing or wrong bearer token")
-        kind = request.headers.get("Content-Type", "").split(";")[0].strip().lower()
-        if kind not in (PROTOBUF, JSON):
-            raise _Reject(415, f"unsupported Content-Type {kind!r} ({PROTOBUF} or {JSON})")
-        encoding = request.headers.get("Content-Encoding", "").strip().lower()
-        if not self._admission.acquire(blocking=False):
-            raise _Reject(429, f"busy: {self.limits.max_inflight} requests in flight",
-                          retry_after=self.limits.retry_after_s)
+    async def _export(self, request: Request) -> Response:
+        json_wanted = _content_type(request) == JSON
         try:
-            body = decompress(request.read_body(), encoding, self.limits.max_body_bytes)
+            body, kind, encoding = await self._receive(request)
+            if not self._admission.acquire(blocking=False):
+                raise _Reject(429, f"busy: {self.limits.max_inflight} requests in flight",
+                              retry_after=self.limits.retry_after_s)
+            loop = asyncio.get_running_loop()
+            answer = await loop.run_in_executor(self._workers, self._work, body, kind,
+                                                encoding, json_wanted)
+        except _Reject as reject:
+            self.count_rejected(reject.status)
+            return self._error(reject, json_wanted)
+        except ClientDisconnect:
+            self.count_rejected(499)
+            return Response(status_code=400, headers={"Connection": "close"})
+        return Response(answer, 200, media_type=JSON if json_wanted else PROTOBUF)
+
+    async def _receive(self, request: Request) -> tuple[bytes, str, str]:
+        """Everything checked from the headers first; then the body, within its
+        deadline, holding one of ``max_receiving`` slots."""
+        headers = request.headers
+        if self.token is not None and not hmac.compare_digest(
+                headers.get("Authorization", "").encode(), f"Bearer {self.token}".encode()):
+            raise _Reject(401, "missing or wrong bearer token", close=True)
+        kind = _content_type(request)
+        if kind not in (PROTOBUF, JSON):
+            raise _Reject(415, f"unsupported Content-Type {kind!r} ({PROTOBUF} or {JSON})",
+                          close=True)
+        encoding = headers.get("Content-Encoding", "").strip().lower()
+        if encoding not in ENCODINGS:
+            raise _Reject(415, f"unsupported Content-Encoding {encoding!r} (gzip, deflate)",
+                          close=True)
+        raw = headers.get("Content-Length", "").strip()
+        if not raw.isdigit():
+            raise _Reject(411, "Content-Length required", close=True)
+        length, limit = int(raw), self.limits.max_body_bytes
+        if length > limit:
+            raise _Reject(413, f"body of {length} bytes over the {limit}-byte limit",
+                          close=True)
+        if self.receiving >= self.limits.max_receiving:
+            raise _Reject(429, f"busy: {self.limits.max_receiving} bodies being received",
+                          close=True, retry_after=self.limits.retry_after_s)
+        self.receiving += 1
+        try:
+            chunks = []
+            async with asyncio.timeout(self.limits.body_timeout_s):
+                async for chunk in request.stream():
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise _Reject(408, f"body not received within {self.limits.body_timeout_s:g}s",
+                          close=True) from None
+        finally:
+            self.receiving -= 1
+        body = b"".join(chunks)
+        if len(body) < length:
+            raise _Reject(400, "body shorter than its Content-Length", close=True)
+        return body, kind, encoding
+
+    def _work(self, body: bytes, kind: str, encoding: str, json_wanted: bool) -> bytes:
+        """On a worker thread, holding an in-flight slot: decompress, decode, map,
+        publish; returns the 200 body or raises _Reject."""
+        try:
+            body = decompress(body, encoding, self.limits.max_body_bytes)
             with self._cpu:  # one request at a time: threads contending for the GIL
                 try:         # cost more than they overlap; publishing still overlaps
                     decoded = decode_json(body) if kind == JSON else decode_protobuf(body)
@@ -335,7 +277,7 @@ class OtlpReceiver:
         finally:
             self._admission.release()
         self._count(decoded, batch)
-        return 200, self._response(batch, json_wanted)
+        return self._response(batch, json_wanted)
 
     def _publish(self, batch: MappedBatch) -> None:
         items: list[Any] = [*batch.events, *(u.to_message() for u in batch.unmapped)]
@@ -365,6 +307,31 @@ class OtlpReceiver:
                         len(batch.unmapped), batch.unmapped[0].reason)
         log.debug("span batch conventions %s", dict(batch.conventions))
 
+    async def _http_error(self, request: Request, exc: Exception) -> Response:
+        """Routing's 404 and 405, as the google.rpc.Status OTLP/HTTP asks for."""
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        self.count_rejected(status)
+        reason = (f"no such path {request.url.path!r}; use {TRACES_PATH}" if status == 404
+                  else f"POST OTLP trace requests to {TRACES_PATH}")
+        json_wanted = request.method != "POST" or _content_type(request) == JSON
+        return self._error(_Reject(status, reason, close=True), json_wanted)
+
+    @staticmethod
+    def _error(reject: _Reject, json_wanted: bool) -> Response:
+        code = _RPC_CODES.get(reject.status, 2)
+        if json_wanted:
+            body, kind = orjson.dumps({"code": code, "message": reject.reason}), JSON
+        else:
+            body, kind = rpc_status(code, reject.reason), PROTOBUF
+        headers = {}
+        if reject.retry_after is not None:
+            headers["Retry-After"] = str(reject.retry_after)
+        if reject.status == 401:
+            headers["WWW-Authenticate"] = 'Bearer realm="loopwatch"'
+        if reject.close:
+            headers["Connection"] = "close"
+        return Response(body, reject.status, headers, media_type=kind)
+
     @staticmethod
     def _response(batch: MappedBatch, json_wanted: bool) -> bytes:
         if not batch.unmapped:
@@ -376,3 +343,7 @@ class OtlpReceiver:
                 "rejectedSpans": str(len(batch.unmapped)), "errorMessage": message}})
         return ExportTraceServiceResponse(partial_success=ExportTracePartialSuccess(
             rejected_spans=len(batch.unmapped), error_message=message)).SerializeToString()
+
+
+def _content_type(request: Request) -> str:
+    return request.headers.get("Content-Type", "").split(";")[0].strip().lower()

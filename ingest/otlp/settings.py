@@ -26,7 +26,14 @@ class OtlpSettings(BaseSettings):
     max_inflight: int = Field(
         4, ge=1, description="requests decoded/published at once; more get 429 + Retry-After")
     max_connections: int = Field(
-        128, ge=1, description="open connections (one thread each); more get 503 at once")
+        128, ge=1, description="open connections; over it the one that has waited longest "
+        "for its request headers is closed (503 + Retry-After only when all are in requests)")
+    max_receiving: int = Field(
+        16, ge=1, description="request bodies being received at once (memory: this x "
+        "max_body_bytes); more get 429 + Retry-After before their body is read")
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="a request body must arrive within this long of its headers, "
+        "or it gets 408 and its connection is closed, freeing its receive slot")
     publish_timeout_s: float = Field(
         10.0, gt=0, description="wait this long for the broker's ack, then 503 + Retry-After")
     retry_after_s: int = Field(2, ge=1, description="the Retry-After we send with 429/503")

@@ -352,7 +352,7 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
             outbox = detectors.outbox
             return {"counters": vars(processor.pipeline.counters),
                     "sink_failures": processor.sink.failures,
-                    "kafka_write_retries": processor.kafka_writes.retries,
+                    **processor.kafka_write_counters(),
                     "caught_up": processor.caught_up(),
                     "alerts_open": len(detectors.book.open),
                     "notifications_pending": outbox.pending if outbox else 0}

@@ -35,6 +35,7 @@ from ingest.events import Annotation, EventBase, Label, LlmCall, RunStart, ToolC
 from ingest.wire import DeadLetter, Decoded, decode_message, encode_event
 from loopwatch.config import Settings
 from processors import rows
+from processors.deadletter import DeadLetterRecord, bounded, payload_limit
 from processors.pricing import PriceTable, cost_mismatch
 from processors.runs import RunState, abandon_if_expired, apply_event, ms, new_state
 from processors.sink import RowBatch
@@ -48,15 +49,6 @@ class RawMessage:
     partition: int
     offset: int
     value: bytes | None
-
-
-@dataclass(frozen=True, slots=True)
-class DeadLetterRecord:
-    letter_id: str
-    source: str
-    reason: str
-    run_id: str
-    payload: bytes
 
 
 class RunStore(Protocol):
@@ -123,6 +115,7 @@ class Pipeline:
         #: event times beyond this (clock + max_clock_skew_s, per fold) don't move event time
         self._future_ms = 0.0
         self._label_window_ms = int(settings.label_window_s * 1000)
+        self._letter_limit = payload_limit(settings)
         self._due: dict[int, set[str]] = {}
         self._bucket_of: dict[str, int] = {}
         self._buckets: list[int] = []
@@ -303,15 +296,12 @@ class Pipeline:
         self, work: Work, message: RawMessage, index: int, letter: DeadLetter, now: datetime
     ) -> None:
         source = f"{message.topic}:{message.partition}:{message.offset}:{index}"
-        letter_id = rows.letter_id(source)
-        record = DeadLetterRecord(letter_id, source, letter.reason, letter.run_id, letter.payload)
+        record = bounded(rows.letter_id(source), source, letter.reason, letter.run_id,
+                         letter.payload, self._letter_limit)
         self.counters.dead_letters += 1
         work.dead.append(record)
-        work.rows.add(
-            "dead_letters",
-            rows.dead_letter_row(letter_id, source, letter.reason, letter.run_id,
-                                 letter.payload, now),
-        )
+        work.rows.add("dead_letters", rows.dead_letter_row(
+            record.letter_id, source, record.reason, record.run_id, record.payload, now))
 
     def _processing_failed(self, work: Work, message: RawMessage, letter_index: int,
                            exc: Exception, now: datetime, payload: bytes,

@@ -3,8 +3,9 @@
 Replaying sends each payload back to the topic it came from (the events topic, or the
 captures topic for a refused capture message) and records ``replayed_at`` on
 its row (a new version of it) once the broker took it. A letter whose payload was cut
-(a message larger than any letter keeps) is left alone: its payload is not the message. If the payload is still bad it returns as a new dead
-letter with a new source, so nothing is lost either way. Replaying writes, so in the
+(a message larger than any letter keeps) is left alone: its payload is not the message.
+If the payload is still bad it returns as a new dead letter with a new source, so
+nothing is lost either way. Replaying writes, so in the
 embedded default it runs inside the process that owns the store.
 """
 

@@ -15,6 +15,11 @@ so an idle fleet still abandons its stuck runs. An event stamped further ahead o
 wall clock than ``max_clock_skew_s`` is stored but does not move event time: one agent
 with a broken clock must not abandon every open run of the fleet.
 
+A label for a run not known yet (none in state, none in the store) is stored and
+waits in state, ``awaiting_run``, with no ``runs`` row: the run's events fold into it if
+they come within the label window (counted ``pending_labels_matched``), else the sweep
+forgets it (``pending_labels_expired``). Both count among ``labels_unmatched`` first.
+
 The sweep does not scan every state: each run the pipeline stores is filed under its
 next deadline (abandonment while open, forgetting once closed) in coarse buckets of
 event time, and a sweep only visits the buckets the watermark has passed. The index is
@@ -85,6 +90,12 @@ class Counters:
     #: events (or whole messages) the processors raised on, dead-lettered (also counted
     #: in ``dead_letters``)
     processing_errors: int = 0
+    #: labels for a run not known when they came (stored; no run row made for them)
+    labels_unmatched: int = 0
+    #: runs that arrived with such labels waiting, applied to them
+    pending_labels_matched: int = 0
+    #: runs whose waiting labels were forgotten: no event of theirs within the label window
+    pending_labels_expired: int = 0
 
 
 @dataclass
@@ -185,12 +196,13 @@ class Pipeline:
         work = Work()
         for state in touched.values():
             try:
-                row = rows.run_row(state)
+                row = None if state.awaiting_run else rows.run_row(state)
                 self._put(state)
             except Exception as exc:
                 self._state_failed("settling", state.run_id, exc)
                 continue
-            work.rows.add("runs", row)
+            if row is not None:  # labels waiting for their run have no row
+                work.rows.add("runs", row)
         return work
 
     def sweep(self) -> Work:
@@ -217,6 +229,13 @@ class Pipeline:
     def _sweep_one(self, work: Work, run_id: str, mark: int) -> None:
         state = self.store.get(run_id)
         if state is None:
+            return
+        if state.awaiting_run:
+            if state.last_ms + self._label_window_ms < mark:
+                self.store.delete(state)
+                self.counters.pending_labels_expired += 1
+            else:
+                self._file(state)
             return
         if abandon_if_expired(state, mark, self.abandon_ttl_ms(state)):
             work.rows.add("runs", rows.run_row(state))
@@ -250,7 +269,9 @@ class Pipeline:
 
     def _file(self, state: RunState) -> None:
         """File a run under the bucket of its next deadline (moving it if that changed)."""
-        if state.closed:
+        if state.awaiting_run:
+            deadline = state.last_ms + self._label_window_ms + 1
+        elif state.closed:
             deadline = (state.closed_ms or 0) + self._label_window_ms + 1
         else:
             deadline = state.last_ms + self.abandon_ttl_ms(state)
@@ -381,11 +402,18 @@ class Pipeline:
             work.rows.add("labels", rows.label_row(event))
         state = self._state_for(touched, event, message.partition, event_ms)
         was_closed = state.closed
+        was_waiting = state.awaiting_run
+        if isinstance(event, Label) and state.version == 0:  # no run known: it waits
+            state.awaiting_run = True
         loop = self.settings.loop_for(event.task_type or state.task_type)
         applied = apply_event(
             state, event, priced_cost=priced_cost,
             loop_window=loop.window, loop_repeats=loop.repeats, when=event_ms,
         )
+        if applied and state.awaiting_run:
+            self.counters.labels_unmatched += 1
+        elif applied and was_waiting:
+            self.counters.pending_labels_matched += 1
         if not applied:
             self.counters.duplicates += 1
         elif state.closed and not was_closed:

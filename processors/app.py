@@ -430,6 +430,7 @@ class Processor:
         so a reader who sees a batch's last events sees its runs and calls too. Once
         ``settle_max_runs`` runs or ``DEFERRED_MAX_ROWS`` rows wait, they go with the
         chunk that reached the limit, which bounds a batch's memory as chunks do."""
+        self._adopt_before_folding()
         touched: dict[str, RunState] = {}
         deferred = RowBatch()
         batch_chunks = list(chunks(messages))
@@ -487,6 +488,17 @@ class Processor:
     def _ready(self) -> bool:
         recovery = self.app.tables.recovery  # type: ignore[attr-defined]
         return bool(recovery.completed.is_set()) and not self.app.rebalancing
+
+    def _adopt_before_folding(self) -> None:
+        """Adopt as the sweep does, before a batch folds (a no-op until the assignment
+        changes): a run's first event after a restart must find what the store rebuilt
+        (labels waiting for it), not start afresh because the sweep's timer had not
+        ticked yet. A store that cannot answer is left to the sweep's next pass."""
+        try:
+            self._adopt_open_runs()
+        except Exception as exc:
+            log.warning("could not rebuild open runs from the store before a batch (%r); "
+                        "the sweep tries again", exc)
 
     def _adopt_open_runs(self) -> None:
         """After an assignment, take over open runs ClickHouse knows and the table lacks.

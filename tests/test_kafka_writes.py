@@ -1,6 +1,7 @@
 """The processors' writes to Kafka are never retried forever (issue 24 §4): a record
 refused for good is reduced (a dead letter without its payload) or, when nothing
-smaller is left, dropped and counted, while the rest of the write is delivered.
+smaller is left, dropped and counted, while the rest of the write is delivered; a run
+state larger than a record may hold is never sent.
 
 The refusal is real: an aiokafka producer (the client faust uses) whose
 ``max_request_size`` is below the letter refuses it with ``MessageSizeTooLargeError``,
@@ -14,12 +15,15 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import orjson
 from aiokafka import AIOKafkaProducer
-from kafka import KafkaConsumer, TopicPartition
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
 
+from ingest.sdk import partition_for
 from processors.deadletter import DeadLetterRecord, bounded
 from processors.kafka_writes import KafkaWrites
+from tests.conftest import PIPELINE_ENV, wait_for
 
 PRODUCER_LIMIT = 64 * 1024
 
@@ -104,3 +108,34 @@ def test_a_record_refused_even_when_reduced_is_dropped_and_counted(broker):
     assert letters_on(broker.bootstrap, topic) == []
     assert (writes.counters.retries, writes.counters.reduced, writes.counters.dropped) == (
         0, 1, 1)
+
+
+def test_a_run_state_too_large_for_a_record_is_not_changelogged(broker, pipeline, reader,
+                                                                 agent):
+    """A run whose tool calls carry ~190 KB argument hashes holds more than a record may
+    (its last ten actions): the changelog gets a deletion for it instead (recovery then
+    reads the run from the store), counted, and its row is exact. On a broker with
+    Kafka's default limit that state was refused, and resent, forever."""
+    from tests.test_changelog import latest_changelog_values
+
+    before = pipeline.health()["changelog_states_too_large"]
+    run_id = f"{agent}-huge-state"
+    base = {"run_id": run_id, "agent": agent}
+    events = [{"event_type": "run.start", **base},
+              *({"event_type": "tool.call", **base, "tool": "grep",
+                 "args_hash": f"{n}" + "h" * 190_000} for n in range(8)),
+              {"event_type": "run.end", **base, "terminal_reason": "model_done"}]
+    producer = KafkaProducer(bootstrap_servers=broker.bootstrap, max_request_size=1_000_000)
+    partition = partition_for(run_id, int(PIPELINE_ENV["LOOPWATCH_PARTITIONS"]))
+    for event in events:
+        producer.send("loopwatch.events", value=orjson.dumps(event), partition=partition)
+    producer.flush()
+    producer.close()
+    wait_for(lambda: reader.query(
+        "SELECT status, outcome, tool_calls FROM runs FINAL WHERE run_id = {r:String}",
+        {"r": run_id}).rows == [["closed", "success", 8]], 90, what="the run's row")
+    wait_for(lambda: pipeline.health()["changelog_states_too_large"] > before, 30,
+             what="the state counted as too large")
+    changelog = latest_changelog_values(broker.bootstrap)
+    assert run_id.encode() in changelog
+    assert changelog[run_id.encode()] is None

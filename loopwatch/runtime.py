@@ -136,7 +136,9 @@ PENDING_LABELS_SQL = """
 SELECT run_id, groupArray((toString(event_id), toUnixTimestamp64Milli(ts), agent, verdict,
                            label_source)) FROM (
     SELECT * FROM labels FINAL
-    WHERE ts >= {since:DateTime64(3)} AND run_id NOT IN (SELECT run_id FROM runs)
+    WHERE ts >= {since:DateTime64(3)} AND run_id NOT IN (
+        SELECT run_id FROM runs WHERE run_id IN (
+            SELECT run_id FROM labels WHERE ts >= {since:DateTime64(3)}))
     ORDER BY run_id, ts, event_id)
 GROUP BY run_id
 """

@@ -317,8 +317,10 @@ def apply_event(
     state.version += 1
     when = ms(event) if when is None else when
     if state.awaiting_run and not isinstance(event, Label):
-        state.awaiting_run = False  # the run arrived: it starts with its own events
+        state.awaiting_run = False  # the run arrived: its time and dimensions are its own
         state.first_ms = when
+        for name in DIMENSIONS:
+            setattr(state, name, "")
     state.last_ms = max(state.last_ms, when)
     state.first_ms = min(state.first_ms or when, when)
     _take_dimensions(state, event, authoritative=isinstance(event, RunStart))

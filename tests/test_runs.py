@@ -189,12 +189,14 @@ def test_a_label_before_its_run_makes_no_run_and_is_applied_once_when_it_comes()
     assert [row["run_id"] for row in first.rows.tables["labels"]] == ["r"]
     assert pipeline.store.get("r").awaiting_run is True
 
-    run = [ev(RunStart), ev(Step, 1, step=0), ev(RunEnd, 2, terminal_reason="model_done")]
+    run = [ev(Step, 1, step=0, traffic_slice="canary"),
+           ev(RunEnd, 2, terminal_reason="model_done", traffic_slice="canary")]
     second = pipeline.process(messages(*run, label))  # the label once more: redelivered
     (row,) = run_rows(second)
     assert (row["status"], row["outcome"], row["label_source"], row["steps"]) == (
         "closed", "wrong", "human", 1)
-    assert row["started_ts"] == T0
+    assert row["traffic_slice"] == "canary"  # the run's, not the label's default
+    assert row["started_ts"] == T0 + timedelta(seconds=1)
     counters = pipeline.counters
     assert (counters.labels_unmatched, counters.pending_labels_matched,
             counters.pending_labels_expired, counters.duplicates, counters.runs_closed) == (

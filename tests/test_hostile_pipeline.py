@@ -726,3 +726,21 @@ def test_a_10_mb_message_is_one_dead_letter_cut_to_the_bound(hostile_db):
     assert (row["reason"], row["payload"]) == (letter.reason, big[:limit].decode())
     assert_good_row(latest_run_row(harness.rows, good_id), good_id)
     assert insert_all(hostile_db, harness.rows) == len(harness.rows)
+
+
+def test_a_10_mb_capture_message_is_one_dead_letter_cut_to_the_bound():
+    """The captures topic's refusals go through the same bound."""
+    from datetime import UTC, datetime
+
+    from processors.capture import CaptureStage
+
+    limit = 50_000
+    big = b'{"capture_version": 1, "pad": "' + b"x" * 10_485_760 + b'"}'
+    work = CaptureStage(limit).process([RawMessage("loopwatch.captures", 0, 7, big)],
+                                       datetime.now(UTC))
+    (letter,) = work.dead
+    assert (len(letter.payload), letter.size, letter.cut) == (limit, len(big), True)
+    assert letter.reason.startswith("capture: ")
+    assert letter.reason.endswith(f"; payload cut: {len(big)} bytes, sha256 "
+                                  f"{hashlib.sha256(big).hexdigest()}, first {limit} bytes kept")
+    assert work.rows.tables["dead_letters"][0]["payload"] == big[:limit].decode()

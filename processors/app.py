@@ -495,7 +495,8 @@ class Processor:
         (labels waiting for it), not start afresh because the sweep's timer had not
         ticked yet. A store that cannot answer is left to the sweep's next pass."""
         try:
-            self._adopt_open_runs()
+            if self._ready():
+                self._adopt_open_runs()
         except Exception as exc:
             log.warning("could not rebuild open runs from the store before a batch (%r); "
                         "the sweep tries again", exc)
@@ -507,7 +508,7 @@ class Processor:
         and this is how open runs survive it.
         """
         active = frozenset(self.store.active_partitions())
-        if self._open_runs is None or active == self._adopted_for:
+        if self._open_runs is None or not active or active == self._adopted_for:
             return
         states: Iterable[RunState] = (
             state for state in self._open_runs() if state.partition in active

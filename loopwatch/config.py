@@ -70,7 +70,15 @@ class Settings(BaseSettings):
         20_000, ge=1, description="a batch stores (changelog + runs rows) the runs it "
         "touched once this many are waiting, not only at its end: a batch of 2000 envelopes "
         "can touch 100k+ runs, and each held ~10 KB of rows and changelog messages")
-    max_message_bytes: int = Field(1_000_000, ge=1024)
+    max_message_bytes: int = Field(
+        1_000_000, ge=1024, description="a larger message on the events or captures topic "
+        "is a dead letter (its first bytes, size and sha256: processors/deadletter.py)")
+    broker_max_message_bytes: int = Field(
+        1_048_588, ge=65_536, description="the largest record the broker takes (Kafka's "
+        "message.max.bytes / a topic's max.message.bytes; the default is Kafka's; the "
+        "embedded Tansu sets none). The processors size their own records to fit it: a "
+        "dead letter keeps at most this less 16 KiB of its payload, a run state larger "
+        "than it is not changelogged (the run is read back from the store instead)")
 
     late_allowance_s: float = Field(
         5.0, ge=0, description="how far behind the newest event time a late event may be"

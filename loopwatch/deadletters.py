@@ -2,33 +2,44 @@
 
 Replaying sends each payload back to the topic it came from (the events topic, or the
 captures topic for a refused capture message) and records ``replayed_at`` on
-its row (a new version of it). If the payload is still bad it returns as a new dead
-letter with a new source, so nothing is lost either way. Replaying writes, so in the
+its row (a new version of it) once the broker took it. A letter whose payload was cut
+(a message larger than any letter keeps) is left alone: its payload is not the message.
+If the payload is still bad it returns as a new dead letter with a new source, so
+nothing is lost either way. Replaying writes, so in the
 embedded default it runs inside the process that owns the store.
 """
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, datetime
 from typing import Any
 
 import orjson
 from clickhouse_connect.driver.client import Client
 from kafka import KafkaProducer
+from kafka.errors import KafkaError
 
 from ingest.sdk import partition_for
 from loopwatch.config import Settings
 from loopwatch.store.clickhouse import QueryResult, connect, run_query
 from loopwatch.store.reader import Reader, ServiceReader, running_service
+from processors.deadletter import CUT_MARK
+
+log = logging.getLogger(__name__)
 
 LIST_SQL = """
 SELECT id, received_at, reason, source, run_id, substring(payload, 1, 160) AS payload,
        replayed_at
 FROM dead_letters FINAL ORDER BY received_at DESC, id LIMIT {limit:UInt32}
 """
+#: a letter whose payload was cut (processors/deadletter.py) is not replayed: its payload
+#: is no longer the message
 PENDING_SQL = """
 SELECT id, received_at, source, reason, run_id, payload, version
-FROM dead_letters FINAL WHERE replayed_at IS NULL ORDER BY received_at, id
+FROM dead_letters FINAL
+WHERE replayed_at IS NULL AND position(reason, {cut_mark:String}) = 0
+ORDER BY received_at, id
 """
 
 
@@ -57,20 +68,36 @@ def source_topic(source: str, settings: Settings) -> str:
 
 
 def replay_pending(client: Client, bootstrap: str, settings: Settings) -> int:
-    """Send every not-yet-replayed dead letter back to its topic; mark it replayed."""
-    pending = run_query(client, PENDING_SQL).records()
-    if not pending:
+    """Send every not-yet-replayed dead letter back to its topic; mark those the broker
+    took replayed (the others stay pending, logged, for the next replay). Returns how
+    many were replayed."""
+    letters = run_query(client, PENDING_SQL, {"cut_mark": CUT_MARK}).records()
+    if not letters:
         return 0
-    producer = KafkaProducer(bootstrap_servers=bootstrap.split(","), acks="all")
+    producer = KafkaProducer(bootstrap_servers=bootstrap.split(","), acks="all",
+                             max_request_size=settings.broker_max_message_bytes)
+    sent = []
     try:
-        for letter in pending:
+        for letter in letters:
             topic = source_topic(letter["source"], settings)
             partitions = len(producer.partitions_for(topic) or {0})
-            producer.send(topic, value=letter["payload"].encode(),
-                          partition=_partition(letter["payload"], partitions))
+            try:
+                sent.append((letter, producer.send(
+                    topic, value=letter["payload"].encode(),
+                    partition=_partition(letter["payload"], partitions))))
+            except KafkaError as exc:
+                log.error("dead letter %s was not replayed: %r", letter["id"], exc)
         producer.flush(timeout=30)
     finally:
         producer.close(timeout=5)
+    pending = []
+    for letter, future in sent:
+        if future.succeeded():
+            pending.append(letter)
+        else:
+            log.error("dead letter %s was not replayed: %r", letter["id"], future.exception)
+    if not pending:
+        return 0
     now = datetime.now(UTC)
     columns = ["id", "received_at", "source", "reason", "run_id", "payload", "replayed_at",
                "version"]

@@ -18,7 +18,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ import orjson
 from detectors.service import start_detectors
 from ingest.otlp.server import OtlpReceiver
 from ingest.otlp.settings import load_otlp_settings
+from ingest.sdk import partition_for
 from loopwatch.capture.decide import start_decider
 from loopwatch.config import Settings
 from loopwatch.deadletters import replay_pending
@@ -42,7 +43,7 @@ from loopwatch.store.service import StoreService
 from loopwatch.store.sizecap import start_size_cap
 from loopwatch.topics import LagProbe, ensure_topics
 from processors.app import Processor
-from processors.runs import RunState, seen_from_ids
+from processors.runs import RunState, pending_label_state, seen_from_ids
 from processors.sink import ClickHouseSink, FaultInjectingSink, RowBatch, Sink
 
 log = logging.getLogger(__name__)
@@ -130,11 +131,28 @@ GROUP BY run_id
 """
 
 
-def _store_callbacks(reader: Reader) -> tuple[Callable[[], list[RunState]],
-                                              Callable[[str], RunState | None]]:
+#: labels within the label window whose run has no row: they wait for it (a label that
+#: came first), and their state is rebuilt from here when the changelog is gone
+PENDING_LABELS_SQL = """
+SELECT run_id, groupArray((toString(event_id), toUnixTimestamp64Milli(ts), agent, verdict,
+                           label_source)) FROM (
+    SELECT * FROM labels FINAL
+    WHERE ts >= {since:DateTime64(3)} AND run_id NOT IN (
+        SELECT run_id FROM runs WHERE run_id IN (
+            SELECT run_id FROM labels WHERE ts >= {since:DateTime64(3)}))
+    ORDER BY run_id, ts, event_id)
+GROUP BY run_id
+"""
+
+
+def _store_callbacks(reader: Reader, settings: Settings | None = None
+                     ) -> tuple[Callable[[], list[RunState]], Callable[[str], RunState | None]]:
     """How the processors read run state back from the store (after a broker restart,
     or for a label on a run their table has forgotten). The state comes from ``runs``,
-    the ids already folded in from ``events``, so a redelivered event is still known."""
+    the ids already folded in from ``events``, so a redelivered event is still known;
+    labels still waiting for their run come from ``labels`` (``settings``: their window
+    and the partitions; the defaults if None)."""
+    config = settings or Settings()
 
     def with_seen(states: list[RunState]) -> list[RunState]:
         by_id = {state.run_id: state for state in states}
@@ -155,9 +173,16 @@ def _store_callbacks(reader: Reader) -> tuple[Callable[[], list[RunState]],
                 log.warning("a runs row has no readable state; not resumed: %.80r", text)
         return with_seen(parsed)
 
+    def pending_labels() -> list[RunState]:
+        since = datetime.now(UTC) - timedelta(seconds=config.label_window_s)
+        fields = ("event_id", "ts", "agent", "verdict", "label_source")
+        return [pending_label_state(run_id, partition_for(run_id, config.partitions),
+                                    [dict(zip(fields, label, strict=True)) for label in labels])
+                for run_id, labels in reader.query(PENDING_LABELS_SQL, {"since": since}).rows]
+
     def open_runs() -> list[RunState]:
         return states(reader.query("SELECT state FROM runs FINAL WHERE status = 'running'")
-                      .rows)
+                      .rows) + pending_labels()
 
     def lookup_run(run_id: str) -> RunState | None:
         found = states(reader.query(
@@ -228,7 +253,7 @@ def run_worker(settings: Settings, loglevel: str = "warning") -> None:
         bootstrap = settings.kafka_bootstrap or announced["kafka_bootstrap"]
     if not bootstrap:
         raise RuntimeError("set LOOPWATCH_KAFKA_BOOTSTRAP for a worker against a ClickHouse server")
-    open_runs, lookup_run = _store_callbacks(reader)
+    open_runs, lookup_run = _store_callbacks(reader, settings)
     processor = Processor(settings, bootstrap, sink, open_runs=open_runs, lookup_run=lookup_run)
     worker = DrainingWorker(processor, bootstrap, stop_requested,
                             loglevel=loglevel, quiet=True, redirect_stdouts=False,
@@ -289,6 +314,7 @@ def _sample_gauges(settings: Settings, bootstrap: str, writer: Any,
                 values = {"consumer_lag": float(probe.lag()),
                           "events_processed": float(current["counters"]["events"]),
                           "dead_letters": float(current["counters"]["dead_letters"]),
+                          "labels_unmatched": float(current["counters"]["labels_unmatched"]),
                           "store_retries": float(current["sink_failures"]),
                           "kafka_write_retries": float(current["kafka_write_retries"])}
                 now = datetime.now(UTC)
@@ -338,7 +364,7 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
         ensure_topics(bootstrap, settings)
         writer = migrate(settings)
         receiver = _start_otlp(settings, bootstrap, otlp_port)
-        open_runs, lookup_run = _store_callbacks(DirectReader(connect(settings)))
+        open_runs, lookup_run = _store_callbacks(DirectReader(connect(settings)), settings)
         sink: Sink = ClickHouseSink(writer)
         fault_marker = os.environ.get("LOOPWATCH_FAULT_SINK_FILE")
         if fault_marker:
@@ -355,7 +381,7 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
             outbox = detectors.outbox
             return {"counters": vars(processor.pipeline.counters),
                     "sink_failures": processor.sink.failures,
-                    "kafka_write_retries": processor.kafka_writes.retries,
+                    **processor.kafka_write_counters(),
                     "caught_up": processor.caught_up(),
                     "alerts_open": len(detectors.book.open),
                     "notifications_pending": outbox.pending if outbox else 0}

@@ -22,9 +22,8 @@ import ctypes.util
 import gc
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from typing import Any
 
 import faust
@@ -32,7 +31,9 @@ import orjson
 
 from loopwatch.config import Settings
 from processors.capture_app import register_captures
-from processors.pipeline import DeadLetterRecord, Pipeline, RawMessage, Work
+from processors.deadletter import DeadLetterRecord
+from processors.kafka_writes import KafkaWrites, record_limit
+from processors.pipeline import Pipeline, RawMessage, Work
 from processors.rows import EVENTS_IN_TABLE
 from processors.runs import RunState
 from processors.sink import RetriesStopped, RetryingSink, RowBatch, Sink
@@ -131,45 +132,6 @@ def _report_unstored(acked: asyncio.Future[None]) -> None:
                     "restart", acked.exception())
 
 
-class KafkaWrites:
-    """Sends to Kafka again until the broker takes them: the processors' writes to Kafka
-    (state changelog, dead letters) wait out a broker outage as their ClickHouse writes
-    do (:class:`processors.sink.RetryingSink`).
-
-    Without it, a send that gives up (after ``producer_request_timeout_s``) fails its
-    whole write: a batch's messages stay unacked and every later batch waits on them,
-    so no offset is committed again; in the sweep timer it crashes the faust app, and
-    with it ``loopwatch up`` and the memory of its embedded broker. Sending a record
-    twice is harmless: the changelog keeps a run's last value, and a dead letter's id
-    is its key.
-    """
-
-    def __init__(self, retry_s: float) -> None:
-        self._retry_s = retry_s
-        self._stopping = asyncio.Event()
-        self.retries = 0
-
-    def stop_retrying(self) -> None:
-        """As :meth:`processors.sink.RetryingSink.stop_retrying`, for Kafka writes."""
-        self._stopping.set()
-
-    async def until_accepted(self, what: str, send: Callable[[], Awaitable[object]]) -> None:
-        """Await ``send()`` until it returns without raising (cancellation still stops,
-        and after :meth:`stop_retrying` a failure raises :class:`RetriesStopped`)."""
-        while True:
-            try:
-                await send()
-                return
-            except Exception as exc:
-                self.retries += 1
-                log.warning("the broker did not take %s (%r); sending again in %.1f s",
-                            what, exc, self._retry_s)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), self._retry_s)
-                if self._stopping.is_set():
-                    raise RetriesStopped(f"{what} were not sent ({exc!r})") from exc
-
-
 class TableRunStore:
     """Run state in a faust table: bytes keys, orjson changelog values, explicit partitions.
 
@@ -185,14 +147,25 @@ class TableRunStore:
     record batch per partition; the processor awaits that before a batch is acked.
     The records are those ``Table.send_changelog`` would send (raw key and value), so
     faust's recovery reads them unchanged.
+
+    A state larger than ``max_record_bytes`` (a run whose events carry huge dimension
+    or tool strings) is not changelogged: the broker would refuse it for good. A
+    deletion goes to the changelog in its place, so recovery brings back no older
+    state of the run and the processor reads it from the store (``runs.state`` and its
+    events) as for a run it forgot; the live state stays in the table. The same
+    happens to a state the broker refuses for good (a limit below the setting).
     """
 
-    def __init__(self, table: Any, app: faust.App, topic: str, writes: KafkaWrites) -> None:
+    def __init__(self, table: Any, app: faust.App, topic: str, writes: KafkaWrites,
+                 max_record_bytes: int | None = None) -> None:
         self._table = table
         self._app = app
         self._topic = topic
         self._writes = writes
+        self._max_record_bytes = max_record_bytes
         self._changes: dict[bytes, tuple[int, bytes | None]] = {}
+        #: states not changelogged (too large), a deletion sent instead
+        self.too_large = 0
 
     def active_partitions(self) -> set[int]:
         return {tp.partition for tp in self._app.assignor.assigned_actives()
@@ -216,7 +189,17 @@ class TableRunStore:
     def put(self, state: RunState) -> None:
         key = state.run_id.encode()
         self._table.data[key] = state
-        self._changes[key] = (state.partition, orjson.dumps(state.to_dict()))
+        value: bytes | None = orjson.dumps(state.to_dict())
+        if self._max_record_bytes is not None and value is not None \
+                and len(key) + len(value) > self._max_record_bytes:
+            self.too_large += 1
+            if self.too_large <= 10 or self.too_large % 1000 == 0:
+                log.error("the state of run %r is %d bytes, more than a changelog record "
+                          "may hold (%d): not changelogged; after a restart the run is "
+                          "read from the store (%d such states so far)", state.run_id,
+                          len(value), self._max_record_bytes, self.too_large)
+            value = None
+        self._changes[key] = (state.partition, value)
 
     def delete(self, state: RunState) -> None:
         key = state.run_id.encode()
@@ -236,8 +219,10 @@ class TableRunStore:
         in the order they were taken, so a run's records keep the order they were made
         in."""
         if changes:
-            await self._writes.until_accepted(
-                f"{len(changes)} run state changes", lambda: self._send(changes))
+            records = [(key, partition, value)
+                       for key, (partition, value) in changes.items()]
+            await self._writes.deliver(f"{len(changes)} run state changes", records,
+                                       self._send, _as_deletion)
 
     def take_changes(self) -> dict[bytes, tuple[int, bytes | None]]:
         """The changes waiting to be sent, key -> (partition, value or None for a
@@ -245,22 +230,65 @@ class TableRunStore:
         changes, self._changes = self._changes, {}
         return changes
 
-    async def _send(self, changes: dict[bytes, tuple[int, bytes | None]]) -> None:
+    async def _send(self, records: Sequence[ChangelogRecord]) -> list[BaseException | None]:
+        """Send records as one record batch per partition (more when full); each
+        record's outcome is its batch's."""
         producer = self._app.producer._ensure_producer()  # type: ignore[attr-defined]
         topic = self._table.changelog_topic.get_topic_name()
-        by_partition: dict[int, list[tuple[bytes, bytes | None]]] = {}
-        for key, (partition, value) in changes.items():
-            by_partition.setdefault(partition, []).append((key, value))
-        delivered = []
-        for partition, records in by_partition.items():
-            batch = producer.create_batch()
-            for key, value in records:
+        by_partition: dict[int, list[int]] = {}
+        for index, (_, partition, _) in enumerate(records):
+            by_partition.setdefault(partition, []).append(index)
+        delivered: list[tuple[list[int], asyncio.Future[Any]]] = []
+        for partition, indexes in by_partition.items():
+            batch, members = producer.create_batch(), list[int]()
+            for index in indexes:
+                key, _, value = records[index]
                 while batch.append(key=key, value=value, timestamp=None) is None:  # full
-                    delivered.append(await producer.send_batch(batch, topic,
-                                                               partition=partition))
-                    batch = producer.create_batch()  # takes any first record
-            delivered.append(await producer.send_batch(batch, topic, partition=partition))
-        await asyncio.gather(*delivered)
+                    delivered.append((members, await producer.send_batch(
+                        batch, topic, partition=partition)))
+                    batch, members = producer.create_batch(), []  # takes any first record
+                members.append(index)
+            delivered.append((members, await producer.send_batch(batch, topic,
+                                                                 partition=partition)))
+        results = await asyncio.gather(*(future for _, future in delivered),
+                                       return_exceptions=True)
+        outcomes: list[BaseException | None] = [None] * len(records)
+        for (members, _), result in zip(delivered, results, strict=True):
+            if isinstance(result, BaseException):
+                for index in members:
+                    outcomes[index] = result
+        return outcomes
+
+
+#: a changelog record: key, partition, value (None: a deletion)
+ChangelogRecord = tuple[bytes, int, bytes | None]
+
+
+def _as_deletion(record: ChangelogRecord, exc: BaseException) -> ChangelogRecord | None:
+    """A state the broker refused for good is replaced by a deletion (see
+    :class:`TableRunStore`); a refused deletion cannot be made smaller."""
+    key, partition, value = record
+    if value is None:
+        return None
+    log.error("the broker refused the state of run %r for good (%r); a deletion is sent "
+              "instead: after a restart the run is read from the store", key.decode(), exc)
+    return key, partition, None
+
+
+def _error(result: object) -> BaseException | None:
+    return result if isinstance(result, BaseException) else None
+
+
+def _without_payload(letter: DeadLetterRecord, exc: BaseException
+                     ) -> DeadLetterRecord | None:
+    """A dead letter the broker refused for good goes again without its payload (its
+    ``dead_letters`` row keeps it, cut to the same bound); refused so, it is dropped."""
+    smaller = letter.without_payload()
+    if smaller is not None:
+        log.error("the broker refused dead letter %s (%s) for good (%r); sent again "
+                  "without its payload (%d bytes, sha256 %s)", letter.letter_id,
+                  letter.source, exc, letter.size, letter.sha256)
+    return smaller
 
 
 class Processor:
@@ -299,7 +327,7 @@ class Processor:
             broker_commit_interval=1.0,
             producer_request_timeout=settings.producer_request_timeout_s,
             stream_wait_empty=False,
-            producer_max_request_size=max(settings.max_message_bytes * 2, 1_048_576),
+            producer_max_request_size=settings.broker_max_message_bytes,
             producer_max_batch_size=CHANGELOG_BATCH_BYTES,
             producer_linger_ms=CHANGELOG_LINGER_MS,
             consumer_max_fetch_size=max(settings.max_message_bytes * 2, 4_194_304),
@@ -316,7 +344,7 @@ class Processor:
             "runs", key_type=bytes, value_type=bytes, partitions=settings.partitions,
         )
         self.store = TableRunStore(self.table, self.app, settings.events_topic,
-                                   self.kafka_writes)
+                                   self.kafka_writes, record_limit(settings))
         self.pipeline = Pipeline(settings, self.store, lookup_run=lookup_run)
 
         def reindex_on_assignment(sender: Any, /, *args: Any, signal: Any,
@@ -402,6 +430,7 @@ class Processor:
         so a reader who sees a batch's last events sees its runs and calls too. Once
         ``settle_max_runs`` runs or ``DEFERRED_MAX_ROWS`` rows wait, they go with the
         chunk that reached the limit, which bounds a batch's memory as chunks do."""
+        self._adopt_before_folding()
         touched: dict[str, RunState] = {}
         deferred = RowBatch()
         batch_chunks = list(chunks(messages))
@@ -460,6 +489,18 @@ class Processor:
         recovery = self.app.tables.recovery  # type: ignore[attr-defined]
         return bool(recovery.completed.is_set()) and not self.app.rebalancing
 
+    def _adopt_before_folding(self) -> None:
+        """Adopt as the sweep does, before a batch folds (a no-op until the assignment
+        changes): a run's first event after a restart must find what the store rebuilt
+        (labels waiting for it), not start afresh because the sweep's timer had not
+        ticked yet. A store that cannot answer is left to the sweep's next pass."""
+        try:
+            if self._ready():
+                self._adopt_open_runs()
+        except Exception as exc:
+            log.warning("could not rebuild open runs from the store before a batch (%r); "
+                        "the sweep tries again", exc)
+
     def _adopt_open_runs(self) -> None:
         """After an assignment, take over open runs ClickHouse knows and the table lacks.
 
@@ -467,7 +508,7 @@ class Processor:
         and this is how open runs survive it.
         """
         active = frozenset(self.store.active_partitions())
-        if self._open_runs is None or active == self._adopted_for:
+        if self._open_runs is None or not active or active == self._adopted_for:
             return
         states: Iterable[RunState] = (
             state for state in self._open_runs() if state.partition in active
@@ -516,20 +557,28 @@ class Processor:
             await previous
         await self.store.send_changes(changes)
         if work.dead:
-            await self.kafka_writes.until_accepted(
-                f"{len(work.dead)} dead letters", partial(self._publish, work.dead))
+            await self.kafka_writes.deliver(f"{len(work.dead)} dead letters", work.dead,
+                                            self._publish, _without_payload)
 
-    async def _publish(self, letters: list[DeadLetterRecord]) -> None:
-        """Send dead letters and wait until the broker has them all. faust's ``send``
-        returns once a letter is queued; its deliveries are awaited together, as one
-        await per letter would wait out the producer's linger for each."""
-        delivered = [await self.deadletter_topic.send(
-            key=letter.letter_id.encode(),
-            value=letter.payload,
-            headers=[("loopwatch-reason", letter.reason.encode()),
-                     ("loopwatch-source", letter.source.encode())],
-        ) for letter in letters]
-        await asyncio.gather(*delivered)
+    async def _publish(self, letters: Sequence[DeadLetterRecord]
+                       ) -> list[BaseException | None]:
+        """Send dead letters and wait until the broker answered for each; returns each
+        letter's error, or None. faust's ``send`` returns once a letter is queued (or
+        raises, e.g. for a letter larger than the producer sends); the deliveries are
+        awaited together, as one await per letter would wait out the producer's
+        linger for each."""
+        sent: list[BaseException | Awaitable[Any]] = []
+        for letter in letters:
+            try:
+                sent.append(await self.deadletter_topic.send(
+                    key=letter.letter_id.encode(), value=letter.payload,
+                    headers=letter.headers()))
+            except Exception as exc:
+                sent.append(exc)
+        futures = [item for item in sent if not isinstance(item, BaseException)]
+        results = iter(await asyncio.gather(*futures, return_exceptions=True))
+        return [item if isinstance(item, BaseException) else _error(next(results))
+                for item in sent]
 
     def stop_retrying(self) -> None:
         """The worker is stopping: writes that fail (store or broker unavailable) give
@@ -537,6 +586,15 @@ class Processor:
         restart), so that a stop during an outage ends before the supervisor's kill."""
         self.sink.stop_retrying()
         self.kafka_writes.stop_retrying()
+
+    def kafka_write_counters(self) -> dict[str, int]:
+        """The status's view of the processors' writes to Kafka: sends retried, records
+        refused for good and sent reduced or dropped, states too large to changelog."""
+        counters = self.kafka_writes.counters
+        return {"kafka_write_retries": counters.retries,
+                "kafka_records_reduced": counters.reduced,
+                "kafka_records_dropped": counters.dropped,
+                "changelog_states_too_large": self.store.too_large}
 
     def caught_up(self) -> bool:
         """True when this worker owns partitions and has processed each up to its end.

@@ -26,7 +26,8 @@ from pydantic import ValidationError
 from ingest.capture import CAPTURE_VERSION, CaptureMessage, blob_hash
 from ingest.wire import parse_exact
 from processors import rows
-from processors.pipeline import DeadLetterRecord, RawMessage, Work
+from processors.deadletter import bounded
+from processors.pipeline import RawMessage, Work
 
 #: Blobs are written before the parts that reference them (a reader that sees a part
 #: finds its blobs), so this table comes first in every batch.
@@ -113,8 +114,11 @@ def staging_rows(message: CaptureMessage, now: datetime) -> dict[str, list[dict[
 class CaptureStage:
     """Turns batches of raw capture messages into :class:`Work` (rows + dead letters)."""
 
-    def __init__(self) -> None:
+    def __init__(self, letter_limit: int) -> None:
+        """``letter_limit``: the bytes of a refused message its dead letter keeps
+        (:func:`processors.deadletter.payload_limit`)."""
         self.counters = CaptureCounters()
+        self._letter_limit = letter_limit
 
     def process(self, messages: list[RawMessage], now: datetime) -> Work:
         work = Work()
@@ -152,8 +156,9 @@ class CaptureStage:
                 run_id = str(body.get("run_id") or "")[:256]
         except orjson.JSONDecodeError:
             pass
-        reason = f"capture: {reason}"
+        record = bounded(letter_id, source, f"capture: {reason}", run_id, payload,
+                         self._letter_limit)
         self.counters.dead_letters += 1
-        work.dead.append(DeadLetterRecord(letter_id, source, reason, run_id, payload))
-        work.rows.add("dead_letters",
-                      rows.dead_letter_row(letter_id, source, reason, run_id, payload, now))
+        work.dead.append(record)
+        work.rows.add("dead_letters", rows.dead_letter_row(
+            letter_id, source, record.reason, record.run_id, record.payload, now))

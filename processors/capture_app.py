@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from processors.capture import CaptureStage
+from processors.deadletter import payload_limit
 from processors.pipeline import RawMessage
 from processors.sink import RetriesStopped
 
@@ -36,7 +37,7 @@ def register_captures(processor: Processor) -> CaptureStage:
         settings.captures_topic, key_type=bytes, value_type=bytes,
         key_serializer="raw", value_serializer="raw", partitions=settings.partitions,
     )
-    stage = CaptureStage()
+    stage = CaptureStage(payload_limit(settings))
 
     async def stage_captures(stream: Any) -> None:
         """faust acks a taken batch when the loop body ends, also by an exception or a

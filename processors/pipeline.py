@@ -15,6 +15,11 @@ so an idle fleet still abandons its stuck runs. An event stamped further ahead o
 wall clock than ``max_clock_skew_s`` is stored but does not move event time: one agent
 with a broken clock must not abandon every open run of the fleet.
 
+A label for a run not known yet (none in state, none in the store) is stored and
+waits in state, ``awaiting_run``, with no ``runs`` row: the run's events fold into it if
+they come within the label window (counted ``pending_labels_matched``), else the sweep
+forgets it (``pending_labels_expired``). Both count among ``labels_unmatched`` first.
+
 The sweep does not scan every state: each run the pipeline stores is filed under its
 next deadline (abandonment while open, forgetting once closed) in coarse buckets of
 event time, and a sweep only visits the buckets the watermark has passed. The index is
@@ -35,6 +40,7 @@ from ingest.events import Annotation, EventBase, Label, LlmCall, RunStart, ToolC
 from ingest.wire import DeadLetter, Decoded, decode_message, encode_event
 from loopwatch.config import Settings
 from processors import rows
+from processors.deadletter import DeadLetterRecord, bounded, payload_limit
 from processors.pricing import PriceTable, cost_mismatch
 from processors.runs import RunState, abandon_if_expired, apply_event, ms, new_state
 from processors.sink import RowBatch
@@ -48,15 +54,6 @@ class RawMessage:
     partition: int
     offset: int
     value: bytes | None
-
-
-@dataclass(frozen=True, slots=True)
-class DeadLetterRecord:
-    letter_id: str
-    source: str
-    reason: str
-    run_id: str
-    payload: bytes
 
 
 class RunStore(Protocol):
@@ -93,6 +90,12 @@ class Counters:
     #: events (or whole messages) the processors raised on, dead-lettered (also counted
     #: in ``dead_letters``)
     processing_errors: int = 0
+    #: labels for a run not known when they came (stored; no run row made for them)
+    labels_unmatched: int = 0
+    #: runs that arrived with such labels waiting, applied to them
+    pending_labels_matched: int = 0
+    #: runs whose waiting labels were forgotten: no event of theirs within the label window
+    pending_labels_expired: int = 0
 
 
 @dataclass
@@ -123,6 +126,7 @@ class Pipeline:
         #: event times beyond this (clock + max_clock_skew_s, per fold) don't move event time
         self._future_ms = 0.0
         self._label_window_ms = int(settings.label_window_s * 1000)
+        self._letter_limit = payload_limit(settings)
         self._due: dict[int, set[str]] = {}
         self._bucket_of: dict[str, int] = {}
         self._buckets: list[int] = []
@@ -193,12 +197,13 @@ class Pipeline:
         now = datetime.now(UTC)
         for state in touched.values():
             try:
-                row = rows.run_row(state, now)
+                row = None if state.awaiting_run else rows.run_row(state, now)
                 self._put(state)
             except Exception as exc:
                 self._state_failed("settling", state.run_id, exc)
                 continue
-            work.rows.add("runs", row)
+            if row is not None:  # labels waiting for their run have no row
+                work.rows.add("runs", row)
         return work
 
     def sweep(self) -> Work:
@@ -226,6 +231,13 @@ class Pipeline:
     def _sweep_one(self, work: Work, run_id: str, mark: int, now: datetime) -> None:
         state = self.store.get(run_id)
         if state is None:
+            return
+        if state.awaiting_run:
+            if state.last_ms + self._label_window_ms < mark:
+                self.store.delete(state)
+                self.counters.pending_labels_expired += 1
+            else:
+                self._file(state)
             return
         if abandon_if_expired(state, mark, self.abandon_ttl_ms(state)):
             work.rows.add("runs", rows.run_row(state, now))
@@ -259,7 +271,9 @@ class Pipeline:
 
     def _file(self, state: RunState) -> None:
         """File a run under the bucket of its next deadline (moving it if that changed)."""
-        if state.closed:
+        if state.awaiting_run:
+            deadline = state.last_ms + self._label_window_ms + 1
+        elif state.closed:
             deadline = (state.closed_ms or 0) + self._label_window_ms + 1
         else:
             deadline = state.last_ms + self.abandon_ttl_ms(state)
@@ -305,15 +319,12 @@ class Pipeline:
         self, work: Work, message: RawMessage, index: int, letter: DeadLetter, now: datetime
     ) -> None:
         source = f"{message.topic}:{message.partition}:{message.offset}:{index}"
-        letter_id = rows.letter_id(source)
-        record = DeadLetterRecord(letter_id, source, letter.reason, letter.run_id, letter.payload)
+        record = bounded(rows.letter_id(source), source, letter.reason, letter.run_id,
+                         letter.payload, self._letter_limit)
         self.counters.dead_letters += 1
         work.dead.append(record)
-        work.rows.add(
-            "dead_letters",
-            rows.dead_letter_row(letter_id, source, letter.reason, letter.run_id,
-                                 letter.payload, now),
-        )
+        work.rows.add("dead_letters", rows.dead_letter_row(
+            record.letter_id, source, record.reason, record.run_id, record.payload, now))
 
     def _processing_failed(self, work: Work, message: RawMessage, letter_index: int,
                            exc: Exception, now: datetime, payload: bytes,
@@ -394,11 +405,18 @@ class Pipeline:
             work.rows.add("labels", rows.label_row(event, now))
         state = self._state_for(touched, event, message.partition, event_ms)
         was_closed = state.closed
+        was_waiting = state.awaiting_run
+        if isinstance(event, Label) and state.version == 0:  # no run known: it waits
+            state.awaiting_run = True
         loop = self.settings.loop_for(event.task_type or state.task_type)
         applied = apply_event(
             state, event, priced_cost=priced_cost,
             loop_window=loop.window, loop_repeats=loop.repeats, when=event_ms,
         )
+        if applied and state.awaiting_run:
+            self.counters.labels_unmatched += 1
+        elif applied and was_waiting:
+            self.counters.pending_labels_matched += 1
         if not applied:
             self.counters.duplicates += 1
         elif state.closed and not was_closed:

@@ -19,6 +19,10 @@ Outcome precedence, from the agent's terminal reason, the loop detector and labe
   to receive it); no reason at all (an import without verdict): ``unknown``;
 - a ``wrong`` label turns ``success``/``unknown`` into ``wrong``; a ``correct`` label
   turns ``unknown`` into ``success``. Other failures keep their more specific outcome.
+
+A label may come before any event of its run (another system labels it, a replay):
+its state then waits, ``awaiting_run``, without a ``runs`` row, and the run's events
+fold into it when they come, so the label is applied once, as if it came last.
 """
 
 from __future__ import annotations
@@ -95,6 +99,9 @@ class RunState:
     #: ``bytes``, or an ordered dict past :data:`SEEN_PACKED_IDS` (see :func:`remember`)
     seen: bytes | dict[bytes, None] = b""
     version: int = 0
+    #: True while the state holds only labels, for a run not seen yet (a label that
+    #: came first): it has no ``runs`` row, and its first other event makes it a run
+    awaiting_run: bool = False
 
     def to_dict(self, with_seen: bool = True) -> dict[str, Any]:
         """A JSON-able dict; ``dataclasses.asdict`` deep-copies every value, ~10x slower.
@@ -308,7 +315,13 @@ def apply_event(
     if not remember(state, event.event_id.bytes):
         return False
     when = ms(event) if when is None else when
-    if state.version:
+    if state.awaiting_run and not isinstance(event, Label):
+        state.awaiting_run = False  # the run arrived: its time and dimensions are its own
+        state.first_ms = when
+        state.last_ms = max(state.last_ms, when)
+        for name in DIMENSIONS:
+            setattr(state, name, "")
+    elif state.version:
         state.last_ms = max(state.last_ms, when)
         state.first_ms = min(state.first_ms, when)
     else:  # the run's first event: any time, 1900 (negative ms) and 1970 (0) included
@@ -342,6 +355,27 @@ def apply_event(
         state.verdict = sys.intern(event.verdict)
         state.label_source = sys.intern(event.label_source)
     return True
+
+
+def pending_label_state(run_id: str, partition: int, labels: list[dict[str, Any]]
+                        ) -> RunState:
+    """The state of labels (``labels`` rows: event_id, ts as epoch ms, agent, verdict,
+    label_source; oldest first) waiting for their run, as the store rebuilds it when
+    the changelog that held it is gone.
+
+    >>> rows = [{"event_id": "0" * 32, "ts": 5_000, "agent": "a", "verdict": "wrong",
+    ...          "label_source": "human"}]
+    >>> state = pending_label_state("r", 3, rows)
+    >>> state.awaiting_run, state.verdict, state.outcome, state.first_ms, len(seen_ids(state))
+    (True, 'wrong', '', 5000, 1)
+    """
+    state = RunState(run_id=run_id, partition=partition, awaiting_run=True)
+    for label in labels:
+        apply_event(state, Label(run_id=run_id, event_id=uuid.UUID(str(label["event_id"])),
+                                 agent=label["agent"], verdict=label["verdict"],
+                                 label_source=label["label_source"]),
+                    when=int(label["ts"]))
+    return state
 
 
 def abandon_if_expired(state: RunState, watermark_ms: int, ttl_ms: int) -> bool:

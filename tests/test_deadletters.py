@@ -3,6 +3,7 @@ is counted, and what follows it is still processed."""
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 import uuid
@@ -66,7 +67,10 @@ def test_each_bad_message_is_a_dead_letter_with_its_reason(poisoned, reader):
     reasons = [row["reason"] for row in dead_letters(reader, marker)]
     assert len(reasons) == 5
     assert reasons[0].startswith("malformed JSON: unexpected character")
-    assert reasons[1] == f"oversized message: {len(oversized(marker))} bytes > 200000"
+    whole = oversized(marker)
+    assert reasons[1] == (f"oversized message: {len(whole)} bytes > 200000; payload cut: "
+                          f"{len(whole)} bytes, sha256 {hashlib.sha256(whole).hexdigest()}, "
+                          "first 200000 bytes kept")
     assert reasons[2] == "schema violation: step.step: Field required"
     assert reasons[3] == "schema violation: tool.call.tool: Field required"
     assert reasons[4] == "unsupported schema_version major 2 (this build reads 1.x)"
@@ -100,10 +104,13 @@ def test_dlq_list_shows_reasons(poisoned, pipeline):
 
 
 def test_dlq_replay_resubmits_and_marks_them(poisoned, pipeline, reader):
+    """The four letters whose payloads are whole go back and return (still bad) as new
+    letters; the oversized one, whose payload was cut, stays pending and unsent."""
     marker, _ = poisoned
     replayed = cli(pipeline, "dlq", "replay")
     assert replayed.returncode == 0, replayed.stderr
-    wait_for(lambda: len(dead_letters(reader, marker)) == 10, 60,
+    wait_for(lambda: len(dead_letters(reader, marker)) == 9, 60,
              what="the still-bad payloads to come back as new dead letters")
     rows = dead_letters(reader, marker)
-    assert sum(row["replayed_at"] is not None for row in rows) == 5
+    assert sum(row["replayed_at"] is not None for row in rows) == 4
+    assert [row["replayed_at"] for row in rows if "payload cut" in row["reason"]] == [None]

@@ -16,6 +16,7 @@ local store) so no garbage can wedge the sink; the good run's row is exact.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
@@ -36,6 +37,7 @@ from ingest.wire import decode_message
 from loopwatch.config import Settings
 from loopwatch.reprocess import MemoryRunStore
 from loopwatch.store.cluster import render_cluster_ddl
+from processors.deadletter import payload_limit
 from processors.pipeline import Pipeline, RawMessage, Work
 from processors.pricing import PricedCall, PriceTable
 from processors.runs import RunState
@@ -702,3 +704,43 @@ def test_a_damaged_run_state_costs_its_own_run_not_the_batch_nor_the_sweep(hosti
     assert stored_run(hostile_db, stale_id) == [("closed", "abandoned", 1, 0, 0, 0, 0, 0.0)]
     assert stored_run(hostile_db, folded_id) == stored_run(hostile_db, swept_id) == []
     assert counts(hostile_db, "events", folded_id) == 1
+
+
+def test_a_10_mb_message_is_one_dead_letter_cut_to_the_bound(hostile_db):
+    """Its letter (row and record) keeps the first ``payload_limit`` bytes, with the whole
+    message's size and sha256 in its reason and headers; the good run beside it is
+    exact. The whole 10 MB letter was what the producer refused forever."""
+    harness = new_harness()
+    limit = payload_limit(harness.pipeline.settings)
+    big = b'{"event_type": "step", "run_id": "big", "pad": "' + b"x" * 10_485_760 + b'"}'
+    good_id = f"good-{uuid.uuid4().hex}"
+    work = harness.feed([big, *(json_bytes(e) for e in good_run(good_id, "hostile-good"))])
+    (letter,) = work.dead
+    digest = hashlib.sha256(big).hexdigest()
+    assert (letter.payload, letter.size, letter.sha256) == (big[:limit], len(big), digest)
+    assert letter.reason == (f"oversized message: {len(big)} bytes > {MAX_MESSAGE_BYTES}; "
+                             f"payload cut: {len(big)} bytes, sha256 {digest}, "
+                             f"first {limit} bytes kept")
+    assert dict(letter.headers())["loopwatch-payload-kept"] == str(limit).encode()
+    (row,) = work.rows.tables["dead_letters"]
+    assert (row["reason"], row["payload"]) == (letter.reason, big[:limit].decode())
+    assert_good_row(latest_run_row(harness.rows, good_id), good_id)
+    assert insert_all(hostile_db, harness.rows) == len(harness.rows)
+
+
+def test_a_10_mb_capture_message_is_one_dead_letter_cut_to_the_bound():
+    """The captures topic's refusals go through the same bound."""
+    from datetime import UTC, datetime
+
+    from processors.capture import CaptureStage
+
+    limit = 50_000
+    big = b'{"capture_version": 1, "pad": "' + b"x" * 10_485_760 + b'"}'
+    work = CaptureStage(limit).process([RawMessage("loopwatch.captures", 0, 7, big)],
+                                       datetime.now(UTC))
+    (letter,) = work.dead
+    assert (len(letter.payload), letter.size, letter.cut) == (limit, len(big), True)
+    assert letter.reason.startswith("capture: ")
+    assert letter.reason.endswith(f"; payload cut: {len(big)} bytes, sha256 "
+                                  f"{hashlib.sha256(big).hexdigest()}, first {limit} bytes kept")
+    assert work.rows.tables["dead_letters"][0]["payload"] == big[:limit].decode()

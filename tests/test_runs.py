@@ -150,3 +150,98 @@ def test_a_price_table_with_a_price_that_is_no_number_is_refused_naming_it(tmp_p
             PriceTable.load(path)
         assert str(refused.value) == f"{path}: {model}.{field} must be a number >= 0, not {bad!r}"
     assert PriceTable.load().models["gpt-4o"].input == shipped["models"]["gpt-4o"]["input"]
+
+
+# -- a label that comes before its run (issue 24 §6) -------------------------------------
+
+NOW_S = T0.timestamp() + 3600
+
+
+def label_pipeline(**settings: float):
+    """A pipeline on a memory run store with a fixed wall clock an hour after T0."""
+    from pathlib import Path
+
+    from loopwatch.config import Settings
+    from loopwatch.reprocess import MemoryRunStore
+    from processors.pipeline import Pipeline
+
+    config = Settings(data_dir=Path("/nonexistent-labels"), **settings)
+    return Pipeline(config, MemoryRunStore(), clock=lambda: NOW_S)
+
+
+def messages(*events: EventBase):
+    from ingest.wire import encode_event
+    from processors.pipeline import RawMessage
+
+    return [RawMessage("loopwatch.events", 0, offset, encode_event(event))
+            for offset, event in enumerate(events)]
+
+
+def run_rows(work) -> list[dict]:
+    return work.rows.tables.get("runs", [])
+
+
+def test_a_label_before_its_run_makes_no_run_and_is_applied_once_when_it_comes():
+    pipeline = label_pipeline()
+    label = ev(Label, 30, verdict="wrong", label_source="human")
+    first = pipeline.process(messages(label))
+    assert run_rows(first) == []
+    assert [row["run_id"] for row in first.rows.tables["labels"]] == ["r"]
+    assert pipeline.store.get("r").awaiting_run is True
+
+    run = [ev(Step, 1, step=0, traffic_slice="canary"),
+           ev(RunEnd, 2, terminal_reason="model_done", traffic_slice="canary")]
+    second = pipeline.process(messages(*run, label))  # the label once more: redelivered
+    (row,) = run_rows(second)
+    assert (row["status"], row["outcome"], row["label_source"], row["steps"]) == (
+        "closed", "wrong", "human", 1)
+    assert row["traffic_slice"] == "canary"  # the run's, not the label's default
+    assert row["started_ts"] == T0 + timedelta(seconds=1)
+    counters = pipeline.counters
+    assert (counters.labels_unmatched, counters.pending_labels_matched,
+            counters.pending_labels_expired, counters.duplicates, counters.runs_closed) == (
+        1, 1, 0, 1, 1)
+
+
+def test_a_label_whose_run_never_comes_is_forgotten_after_the_label_window():
+    pipeline = label_pipeline(label_window_s=100, abandon_ttl_s=5)
+    label = ev(Label, 0, verdict="correct")
+    work = pipeline.process(messages(label, ev(Label, 1, verdict="wrong")))
+    assert run_rows(work) == []
+    # event time moves on with other runs' events; the label waits through the TTL
+    other = [Step(run_id="other", agent="a", step=n, ts=T0 + timedelta(seconds=s))
+             for n, s in enumerate((30, 50, 70))]
+    for event in other:
+        pipeline.process(messages(event))
+        assert [row["run_id"] for row in run_rows(pipeline.sweep())] in ([], ["other"])
+    assert pipeline.store.get("r") is not None
+    pipeline.process(messages(Step(run_id="other", agent="a", step=9,
+                                   ts=T0 + timedelta(seconds=120))))
+    assert "r" not in [row["run_id"] for row in run_rows(pipeline.sweep())]
+    assert pipeline.store.get("r") is None
+    assert (pipeline.counters.labels_unmatched, pipeline.counters.pending_labels_matched,
+            pipeline.counters.pending_labels_expired) == (2, 0, 1)
+
+
+def test_a_label_for_a_run_the_store_knows_is_applied_to_it_not_kept_waiting():
+    pipeline = label_pipeline()
+    known = fold(ev(RunStart), ev(RunEnd, 1, terminal_reason="model_done"))
+    pipeline.lookup_run = lambda run_id: known if run_id == "r" else None
+    (row,) = run_rows(pipeline.process(messages(ev(Label, 60, verdict="wrong"))))
+    assert row["outcome"] == "wrong"
+    assert pipeline.counters.labels_unmatched == 0
+
+
+def test_waiting_labels_rebuilt_from_the_store_are_applied_when_the_run_comes():
+    from processors.runs import pending_label_state
+
+    label = ev(Label, 30, verdict="wrong", label_source="human")
+    rebuilt = pending_label_state("r", 0, [{
+        "event_id": str(label.event_id), "ts": int(label.ts.timestamp() * 1000),
+        "agent": "a", "verdict": "wrong", "label_source": "human"}])
+    pipeline = label_pipeline()
+    assert pipeline.adopt([rebuilt]) == 1
+    run = [ev(RunStart), ev(RunEnd, 2, terminal_reason="model_done"), label]
+    (row,) = run_rows(pipeline.process(messages(*run)))
+    assert (row["outcome"], row["label_source"]) == ("wrong", "human")
+    assert (pipeline.counters.pending_labels_matched, pipeline.counters.duplicates) == (1, 1)

@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 from clickhouse_connect.driver.client import Client
 
-from loopwatch.store.clickhouse import run_query
+from loopwatch.store.reader import DirectReader, Reader
 
 
 def _json_default(value: Any) -> Any:
@@ -40,7 +40,7 @@ class StoreService:
 
     def __init__(
         self,
-        reader: Client,
+        reader: Reader | Client,
         status: Callable[[], dict[str, Any]],
         service_file: Path,
         host: str = "127.0.0.1",
@@ -48,10 +48,11 @@ class StoreService:
         actions: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] | None = None,
         raw_actions: dict[str, Callable[[bytes], dict[str, Any]]] | None = None,
     ) -> None:
-        self._reader = reader
+        # user SQL: a PooledReader (the runtime's) runs several at once, each guarded;
+        # a bare client is one guarded reader
+        self._reader: Reader = DirectReader(reader) if isinstance(reader, Client) else reader
         self._actions = actions or {}
         self._raw_actions = raw_actions or {}
-        self._lock = threading.Lock()
         self._status = status
         self._service_file = service_file
         handler = self._handler_class()
@@ -78,8 +79,9 @@ class StoreService:
         self._server.server_close()
 
     def query(self, sql: str, parameters: dict[str, Any]) -> dict[str, Any]:
-        with self._lock:
-            result = run_query(self._reader, sql, parameters, readonly=True)
+        """A user's query, through the guard (no global lock: each runs on a reader
+        client of its own, so a heavy one holds up neither other queries nor writes)."""
+        result = self._reader.query(sql, parameters)
         return {"columns": result.columns, "rows": result.rows}
 
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:

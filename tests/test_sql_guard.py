@@ -184,6 +184,24 @@ def test_the_engine_refuses_a_setting_change_under_the_guards_own_settings(local
                      settings=Limits.of(settings).engine_settings())
 
 
+@pytest.mark.parametrize("sql, reason", [
+    ("SELECT " + "(" * 100_000 + "1" + ")" * 100_000, "Maximum parse depth"),
+    ("SELECT 1" + " " * 5_000_000 + "-- padding", "Max query size exceeded"),
+    ("SELECT " + ",".join(["1"] * 200_000), "Max query size exceeded"),
+    ("SELECT 1\x00; DROP TABLE annotations", "Syntax error"),
+    ("", "Empty query"),
+    ("-- only a comment", "Empty query"),
+])
+def test_malformed_or_oversized_sql_is_refused_by_the_parser(local_store, user_reader, sql,
+                                                             reason):
+    _, client = local_store
+    letter = seed_dead_letter(client)
+    message = refusal(user_reader, sql)
+    assert message.startswith("query refused: not one valid SQL statement"), message[:200]
+    assert reason in message
+    legitimate_answer_is_exact(user_reader, letter)
+
+
 # -- the corpus ------------------------------------------------------------------------
 
 def test_the_corpus_is_large_and_varied():

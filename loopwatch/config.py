@@ -189,6 +189,29 @@ class Settings(BaseSettings):
         64, ge=1, description="open web view connections; over it the one that has waited "
         "longest for headers is closed, so idle or slow clients cannot fill it")
 
+    # -- user SQL: the guard and its limits (loopwatch/store/sqlguard.py) -------------
+    query_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="a user query (loopwatch query, investigate, "
+        "playbook, the web view, the store service) is stopped after this long")
+    query_max_memory_bytes: int = Field(
+        2 * 1024**3, ge=16 * 1024**2, description="memory one user query may use in the engine")
+    query_max_result_rows: int = Field(
+        1_000_000, ge=1, description="rows a user query may return; more is an error, "
+        "not a truncated answer")
+    query_max_result_bytes: int = Field(
+        512 * 1024**2, ge=1024, description="bytes (uncompressed, in the engine) a user "
+        "query's result may hold")
+    query_concurrency: int = Field(
+        4, ge=1, le=64, description="user queries the store service runs at once, each on "
+        "a reader client of its own; the pipeline's writes never wait for them")
+    clickhouse_reader_url: str | None = Field(
+        None, repr=False, description="with a ClickHouse server, user SQL connects as this "
+        "user (deploy's `reader`: readonly, limits under constraints, SELECT on loopwatch "
+        "only); unset = LOOPWATCH_CLICKHOUSE_URL's user, still guarded and readonly=1")
+    query_busy_wait_s: float = Field(
+        2.0, ge=0, description="how long a query waits for a free reader before the "
+        "store service refuses it as busy")
+
     @field_validator("clickhouse_url")
     @classmethod
     def _http_only(cls, value: str | None) -> str | None:

@@ -37,7 +37,13 @@ from loopwatch.masking import safe_url
 from loopwatch.privatefs import PRIVATE_UMASK, private_dir
 from loopwatch.reprocess import reprocess_with
 from loopwatch.store.clickhouse import connect, migrate
-from loopwatch.store.reader import DirectReader, Reader, ServiceReader, running_service
+from loopwatch.store.reader import (
+    DirectReader,
+    PooledReader,
+    Reader,
+    ServiceReader,
+    running_service,
+)
 from loopwatch.store.remote_sink import INSERT_PATH, ServiceSink, decode_batch
 from loopwatch.store.service import StoreService
 from loopwatch.store.sizecap import start_size_cap
@@ -241,7 +247,7 @@ def run_worker(settings: Settings, loglevel: str = "warning") -> None:
     reader: Reader
     if settings.clickhouse_url:
         migrate(settings)
-        sink, reader = ClickHouseSink(connect(settings)), DirectReader(connect(settings))
+        sink, reader = ClickHouseSink(connect(settings)), DirectReader(connect(settings), settings)
         bootstrap = settings.kafka_bootstrap
     else:
         announced = running_service(settings)
@@ -364,7 +370,8 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
         ensure_topics(bootstrap, settings)
         writer = migrate(settings)
         receiver = _start_otlp(settings, bootstrap, otlp_port)
-        open_runs, lookup_run = _store_callbacks(DirectReader(connect(settings)), settings)
+        open_runs, lookup_run = _store_callbacks(DirectReader(connect(settings), settings),
+                                                 settings)
         sink: Sink = ClickHouseSink(writer)
         fault_marker = os.environ.get("LOOPWATCH_FAULT_SINK_FILE")
         if fault_marker:
@@ -395,7 +402,7 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
         }
         raw_actions = {INSERT_PATH.removeprefix("/admin/"):
                        _insert_action(lambda: connect(settings))}
-        service = StoreService(connect(settings), status, settings.service_file,
+        service = StoreService(PooledReader(settings), status, settings.service_file,
                                settings.service_socket, actions, raw_actions)
         announcement = {"kafka_bootstrap": bootstrap, "store": store,
                         "otlp_url": receiver.url if receiver else None,

@@ -290,9 +290,44 @@ def test_clickhouse_drop_ins():
         password = users.find(f"users/{user}/password")
         assert password is not None and not (password.text or "").strip(), user
         assert password.get("from_env") in env, f"{user}'s password env is not passed"
-    assert users.findtext("profiles/loopwatch_reader/readonly") in {"1", "2"}
     assert users.findtext("users/reader/profile") == "loopwatch_reader"
     assert users.findtext("users/reader/grants/query") == "GRANT SELECT ON loopwatch.*"
+
+
+#: each limit loopwatch bounds a user query with, and its Settings field
+READER_LIMITS = {"max_execution_time": "query_timeout_s",
+                 "max_memory_usage": "query_max_memory_bytes",
+                 "max_result_rows": "query_max_result_rows",
+                 "max_result_bytes": "query_max_result_bytes"}
+
+
+def test_the_reader_profile_is_readonly_and_its_limits_cannot_be_raised():
+    """``readonly=2`` let a query's SETTINGS raise its own limits: the reader is
+    ``readonly=1``, every limit has a constraint with a min (0 is "no limit") and a max,
+    the modes and ``readonly`` itself are const, and its grants cover loopwatch only."""
+    users = ET.parse(DEPLOY / "clickhouse" / "users.d" / "loopwatch.xml").getroot()
+    profile = users.find("profiles/loopwatch_reader")
+    assert profile is not None
+    assert profile.findtext("readonly") == "1"
+    constraints = profile.find("constraints")
+    assert constraints is not None
+    defaults = Settings()
+    for setting, field in READER_LIMITS.items():
+        value = float(profile.findtext(setting) or "0")
+        limit = constraints.find(setting)
+        assert limit is not None, setting
+        low, high = float(limit.findtext("min") or "0"), float(limit.findtext("max") or "0")
+        assert 0 < low <= value <= high, setting
+        assert limit.find("changeable_in_readonly") is not None, setting
+        assert value == float(getattr(defaults, field)), f"{setting} != Settings.{field}"
+    for setting in ("readonly", "timeout_overflow_mode", "result_overflow_mode", "allow_ddl",
+                    "allow_introspection_functions"):
+        fixed = constraints.find(setting)
+        assert fixed is not None and fixed.find("const") is not None, setting
+    assert profile.findtext("timeout_overflow_mode") == "throw"
+    assert profile.findtext("result_overflow_mode") == "throw"
+    grants = [query.text for query in users.findall("users/reader/grants/query")]
+    assert grants == ["GRANT SELECT ON loopwatch.*"]
 
 
 def test_alertmanager_config(tmp_path: Path):

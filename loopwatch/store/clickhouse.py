@@ -69,11 +69,13 @@ def read_time(value: datetime | str | None) -> datetime | None:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
-def connect(settings: Settings, database: str | None = None) -> Client:
-    """A new client; ``database=None`` connects to the loopwatch database."""
+def connect(settings: Settings, database: str | None = None, server: str | None = None
+            ) -> Client:
+    """A new client; ``database=None`` connects to the loopwatch database, ``server``
+    (a URL like ``clickhouse_url``) to a server as another user."""
     database = settings.database if database is None else database
-    if settings.clickhouse_url:
-        url = urlparse(settings.clickhouse_url)
+    if server or settings.clickhouse_url:
+        url = urlparse(server or settings.clickhouse_url or "")
         return clickhouse_connect.get_client(
             host=url.hostname or "localhost",
             port=url.port or (8443 if url.scheme == "https" else 8123),

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import uuid
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -21,8 +24,8 @@ from loopwatch.store.clickhouse import (
     clickhouse_time,
     connect,
     migrate,
-    run_query,
 )
+from loopwatch.store.sqlguard import RefusedQuery, SqlGuard, StoreBusy, limit_hit
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +38,113 @@ class Reader(Protocol):
     def query(self, sql: str, parameters: dict[str, Any] | None = None) -> QueryResult: ...
 
 
+def run_user_query(client: Client, sql: str, parameters: dict[str, Any] | None,
+                   guard: SqlGuard) -> QueryResult:
+    """A user's query: vetted by ``guard`` (:mod:`loopwatch.store.sqlguard`), then its
+    canonical text run under the guard's limits. A refusal or a limit hit is a
+    :class:`RefusedQuery` with one line saying which."""
+    canonical = guard.vet(client, sql)
+    try:
+        result = client.query(canonical, parameters=parameters or {},
+                              settings=guard.limits.engine_settings())
+    except Exception as exc:
+        hit = limit_hit(str(exc), guard.limits)
+        if hit is not None:
+            raise RefusedQuery(hit) from exc
+        raise
+    return QueryResult(list(result.column_names), [list(row) for row in result.result_rows])
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else repr(exc)
+
+
 class DirectReader:
-    def __init__(self, client: Client) -> None:
+    """Runs user SQL on a client of its own, through the guard (one SELECT over the
+    loopwatch database, bounded by the ``query_*`` settings)."""
+
+    def __init__(self, client: Client, settings: Settings | None = None) -> None:
         self._client = client
+        self._guard = SqlGuard(settings or Settings())
 
     def query(self, sql: str, parameters: dict[str, Any] | None = None) -> QueryResult:
         try:
-            return run_query(self._client, sql, parameters, readonly=True)
+            return run_user_query(self._client, sql, parameters, self._guard)
         except Exception as exc:
-            raise QueryError(str(exc).strip().splitlines()[0]) from exc
+            resync(self._client)
+            raise QueryError(_first_line(exc)) from exc
+
+
+def resync(client: Client, attempts: int = 4) -> None:
+    """Make sure the next query on ``client`` gets its own answer.
+
+    A chdb query that fails mid-stream leaves the rest of its output on the handle, and
+    the next query gets it (measured: after ``SELECT throwIf(number = 70000) FROM
+    numbers(1e5)`` failed, ``SELECT 42`` returned two rows of zeros). So after a failure
+    a fresh random token is queried until it comes back as itself.
+    """
+    for _ in range(attempts):
+        token = uuid.uuid4().hex
+        try:
+            rows = client.query("SELECT {token:String}", parameters={"token": token},
+                                settings={"readonly": 1}).result_rows
+        except Exception:
+            continue
+        if [tuple(row) for row in rows] == [(token,)]:
+            return
+    raise QueryError("the store's reader is out of step after a failed query; "
+                     "run the command again")
+
+
+class PooledReader:
+    """User SQL for many callers at once (the store service): up to
+    ``query_concurrency`` reader clients, each running one query, so a heavy query holds
+    up only its own client (chdb runs queries of separate clients of one process
+    concurrently). Beyond the pool a caller waits ``query_busy_wait_s``, then is refused
+    as busy. A client whose query failed in the engine is closed, not reused: a failed
+    query must not leave state behind for the next caller.
+    """
+
+    def __init__(self, settings: Settings, connect_client: Callable[[], Client] | None = None
+                 ) -> None:
+        self._guard = SqlGuard(settings)
+        self._connect = connect_client or (lambda: connect(settings))
+        self._size = settings.query_concurrency
+        self._wait_s = settings.query_busy_wait_s
+        self._slots = threading.BoundedSemaphore(self._size)
+        self._idle: list[Client] = []
+        self._lock = threading.Lock()
+
+    def query(self, sql: str, parameters: dict[str, Any] | None = None) -> QueryResult:
+        if not self._slots.acquire(timeout=self._wait_s):
+            raise StoreBusy(f"store busy: {self._size} queries are running "
+                            "(LOOPWATCH_QUERY_CONCURRENCY); try again")
+        client: Client | None = None
+        try:
+            with self._lock:
+                client = self._idle.pop() if self._idle else None
+            if client is None:
+                client = self._connect()
+            try:
+                return run_user_query(client, sql, parameters, self._guard)
+            except Exception as exc:
+                spent, client = client, None
+                spent.close()
+                if isinstance(exc, RefusedQuery):
+                    raise
+                raise QueryError(_first_line(exc)) from exc
+        finally:
+            if client is not None:
+                with self._lock:
+                    self._idle.append(client)
+            self._slots.release()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for client in idle:
+            client.close()
 
 
 class ServiceUnreachable(ConnectionError):
@@ -176,13 +277,13 @@ def running_service(settings: Settings) -> dict[str, Any] | None:
 
 def open_reader(settings: Settings) -> Reader:
     if settings.clickhouse_url:
-        return DirectReader(connect(settings))
+        return DirectReader(connect(settings, server=settings.clickhouse_reader_url), settings)
     announced = running_service(settings)
     if announced is not None:
         return ServiceReader(announced["url"])
     try:
         migrate(settings)
-        return DirectReader(connect(settings))
+        return DirectReader(connect(settings), settings)
     except Exception as exc:
         raise QueryError(
             f"cannot open the embedded store at {settings.chdb_path}: {exc}. "

@@ -38,7 +38,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from loopwatch.privatefs import FILE_MODE, private_dir, write_private
-from loopwatch.store.clickhouse import run_query
+from loopwatch.store.reader import DirectReader, Reader
 
 #: the ``Host`` every client of the service names (it is not a network name)
 SERVICE_HOST = "loopwatch-store"
@@ -143,17 +143,18 @@ class StoreService:
 
     def __init__(
         self,
-        reader: Client,
+        reader: Reader | Client,
         status: Callable[[], dict[str, Any]],
         service_file: Path,
         socket_path: Path | None = None,
         actions: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] | None = None,
         raw_actions: dict[str, Callable[[bytes], dict[str, Any]]] | None = None,
     ) -> None:
-        self._reader = reader
+        # user SQL: a PooledReader (the runtime's) runs several at once, each guarded;
+        # a bare client is one guarded reader
+        self._reader: Reader = DirectReader(reader) if isinstance(reader, Client) else reader
         self._actions = actions or {}
         self._raw_actions = raw_actions or {}
-        self._lock = threading.Lock()
         self._status = status
         self._service_file = service_file
         wanted = socket_path or service_file.with_name("service.sock")
@@ -197,8 +198,9 @@ class StoreService:
                 self._temporary.rmdir()
 
     def query(self, sql: str, parameters: dict[str, Any]) -> dict[str, Any]:
-        with self._lock:
-            result = run_query(self._reader, sql, parameters, readonly=True)
+        """A user's query, through the guard (no global lock: each runs on a reader
+        client of its own, so a heavy one holds up neither other queries nor writes)."""
+        result = self._reader.query(sql, parameters)
         return {"columns": result.columns, "rows": result.rows}
 
     def _app(self) -> ASGIApp:

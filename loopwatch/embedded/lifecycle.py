@@ -176,6 +176,14 @@ class DataDirBroker:
         """At the end of ``up``: stop the broker and mark the record stopped if the broker
         holds nothing uncommitted (``uncommitted == 0``) or is gone; otherwise leave it
         running for the next ``up`` to adopt."""
+        try:
+            self._stop_unless_holding(uncommitted)
+        finally:
+            if self._lock is not None:
+                self._lock.close()  # the next `up` may take over the data dir
+                self._lock = None
+
+    def _stop_unless_holding(self, uncommitted: int | None) -> None:
         if self._announcement is None:
             return
         if uncommitted != 0 and self.alive():
@@ -190,6 +198,3 @@ class DataDirBroker:
             stop_pid(self.announcement.pid)
         with contextlib.suppress(OSError):
             write_announcement(self.data_dir, replace(self.announcement, stopped_at=time.time()))
-        if self._lock is not None:
-            self._lock.close()
-            self._lock = None

@@ -29,6 +29,7 @@ from loopwatch.embedded.broker import (
     answers,
     free_port,
     is_broker_command,
+    owned_by_me,
     pid_alive,
     process_argv,
     stop_pid,
@@ -47,14 +48,15 @@ class BrokerError(RuntimeError):
 
 
 def recorded_broker(data_dir: Path, host: str = HOST) -> BrokerAnnouncement | None:
-    """The recorded broker if its process still runs and is that Tansu broker."""
+    """The recorded broker if its process still runs, is that Tansu broker (its
+    command line listens on the recorded port) and runs as this user."""
     record = read_announcement(data_dir)
     if record is None or record.stopped_at is not None:
         return None
     argv = process_argv(record.pid)
     if argv is None or not is_broker_command(argv, host, record.port):
         return None
-    return record
+    return record if owned_by_me(record.pid) else None
 
 
 def discard_broker(data_dir: Path) -> None:

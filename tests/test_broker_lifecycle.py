@@ -273,3 +273,66 @@ def test_a_pinned_port_other_than_the_running_brokers_is_refused(tmp_path: Path)
     finally:
         DataDirBroker(Settings(data_dir=tmp_path)).acquire().release(0)
     assert not running.alive()
+
+
+# -- hostile records: the data dir's broker.json is input too ------------------------------
+
+HOSTILE_RECORDS = {
+    "not json": b"\x00\xffnot json{",
+    "a list": b"[1, 2, 3]",
+    "fields missing": b'{"bootstrap": "127.0.0.1:9"}',
+    "pid not a number": b'{"bootstrap": "127.0.0.1:9", "pid": "1; rm -rf /", "incarnation": "x",'
+                        b' "events_topic": "t", "consumer_group": "g", "started_at": 0}',
+    "pid 0": b'{"bootstrap": "127.0.0.1:9", "pid": 0, "incarnation": "x",'
+             b' "events_topic": "t", "consumer_group": "g", "started_at": 0}',
+    "pid -1 (every process)": b'{"bootstrap": "127.0.0.1:9", "pid": -1, "incarnation": "x",'
+                              b' "events_topic": "t", "consumer_group": "g", "started_at": 0}',
+    "pid 1 (init)": b'{"bootstrap": "127.0.0.1:9", "pid": 1, "incarnation": "x",'
+                    b' "events_topic": "t", "consumer_group": "g", "started_at": 0}',
+    "port out of range": b'{"bootstrap": "127.0.0.1:70000", "pid": 1, "incarnation": "x",'
+                         b' "events_topic": "t", "consumer_group": "g", "started_at": 0}',
+    "port not a number": b'{"bootstrap": "127.0.0.1:http", "pid": 1, "incarnation": "x",'
+                         b' "events_topic": "t", "consumer_group": "g", "started_at": 0}',
+    "another host": b'{"bootstrap": "attacker.example:9092", "pid": 1, "incarnation": "x",'
+                    b' "events_topic": "t", "consumer_group": "g", "started_at": 0}',
+}
+
+
+@pytest.mark.parametrize("content", HOSTILE_RECORDS.values(), ids=HOSTILE_RECORDS.keys())
+def test_a_damaged_or_hostile_record_is_replaced_and_signals_nothing(tmp_path: Path,
+                                                                      content: bytes):
+    """No process is adopted or signalled on the record's word alone (pid 1, -1, this
+    process stay untouched); a broker starts on loopback and its record replaces the bad one."""
+    (tmp_path / "broker.json").write_bytes(content)
+    broker = DataDirBroker(Settings(data_dir=tmp_path)).acquire()
+    try:
+        record = read_announcement(tmp_path)
+        assert record == broker.announcement and not broker.adopted
+        assert record.bootstrap == f"127.0.0.1:{record.port}" and record.incarnation != "x"
+        assert is_tansu(record.pid, record.port) and record.pid > 1
+        assert oct((tmp_path / "broker.json").stat().st_mode & 0o777) == "0o600"
+    finally:
+        broker.release(0)
+    assert os.getppid() > 0 and process_argv(1) is not None  # nothing signalled
+
+
+def test_a_record_naming_another_host_is_never_adopted(tmp_path: Path):
+    """A live Tansu broker of ours, named in a record under another host: not adopted
+    (the record would send the pipeline elsewhere) but replaced by a loopback broker."""
+    elsewhere = DataDirBroker(Settings(data_dir=tmp_path / "other")).acquire()
+    try:
+        live = elsewhere.announcement
+        _record(tmp_path / "mine", live.port, live.pid, live.incarnation)
+        record = read_announcement(tmp_path / "mine")
+        write_announcement(tmp_path / "mine", BrokerAnnouncement(
+            f"10.9.8.7:{live.port}", live.pid, live.incarnation, record.events_topic,
+            record.consumer_group, record.started_at))
+        mine = DataDirBroker(Settings(data_dir=tmp_path / "mine")).acquire()
+        try:
+            assert not mine.adopted and mine.announcement.pid != live.pid
+            assert mine.bootstrap.startswith("127.0.0.1:")
+        finally:
+            mine.release(0)
+        assert is_tansu(live.pid, live.port)  # the other data dir's broker untouched
+    finally:
+        elsewhere.release(0)

@@ -396,6 +396,21 @@ def _flush_output() -> None:
             stream.flush()
 
 
+def _outlive_dead_members(settings: Settings, adopted_at: float,
+                          stop_requested: threading.Event) -> None:
+    """An adopted broker still counts the killed ``up``'s worker as a group member until
+    its session times out. Joining before that makes two rebalances (one with the dead
+    member, one without it), and a partition kept across them lost the messages the
+    worker had fetched but not folded: their offsets were committed, their events
+    never stored (seen: 192 of 16,000 events in 2 of 6 runs). One join after the dead
+    member is gone is one rebalance."""
+    remaining = adopted_at + settings.session_timeout_s + 1.0 - time.monotonic()
+    if remaining > 0:
+        log.warning("waiting %.0f s for the previous worker's group session to expire",
+                    remaining)
+        stop_requested.wait(remaining)
+
+
 def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None = None,
            on_status: Callable[[dict[str, Any]], None] | None = None,
            loglevel: str = "warning", otlp_port: int | None = None) -> None:
@@ -415,6 +430,7 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
             bootstrap = settings.kafka_bootstrap
         else:
             broker = DataDirBroker(settings).acquire()
+            adopted_at = time.monotonic()
             bootstrap = broker.bootstrap
         ensure_topics(bootstrap, settings)
         writer = migrate(settings)
@@ -469,6 +485,8 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
                                 loglevel=loglevel, quiet=True, redirect_stdouts=False,
                                 logfile=str(settings.data_dir / "logs" / "worker.log"))
         if broker is not None:
+            if broker.adopted:
+                _outlive_dead_members(settings, adopted_at, stop_requested)
             watch = BrokerWatch(broker, stop_requested).start()
         with contextlib.suppress(SystemExit):
             worker.execute_from_commandline()

@@ -90,7 +90,8 @@ def discard_broker(data_dir: Path) -> None:
 
 class DataDirBroker:
     """The embedded broker as one ``loopwatch up`` manages it: acquire (adopt or start),
-    watch, restart with a new incarnation, release."""
+    watch (:meth:`alive`), release. A lost broker is replaced by the next acquire: ``up``
+    restarts itself (loopwatch/runtime.py ``BrokerWatch``)."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -188,13 +189,6 @@ class DataDirBroker:
         if self._process is not None:
             return not self._process.exited()
         return pid_alive(self.announcement.pid)
-
-    def restart(self) -> BrokerAnnouncement:
-        """The broker died: start a new one on the same port, a new incarnation."""
-        lost = self.announcement
-        self._process = None
-        self._start(lost.port)
-        return self.announcement
 
     def release(self, uncommitted: int | None) -> None:
         """At the end of ``up``: stop the broker and mark the record stopped if the broker

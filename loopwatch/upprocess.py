@@ -14,6 +14,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from ingest.announce import BrokerAnnouncement, read_announcement
+from loopwatch.config import load_settings
+from loopwatch.embedded.lifecycle import discard_broker
 from loopwatch.privatefs import append_private, private_dir
 from loopwatch.processes import terminate
 from loopwatch.store.reader import ServiceReader, running_service
@@ -28,7 +31,9 @@ class UpProcess:
 
     @property
     def reader(self) -> ServiceReader:
-        return ServiceReader(self.info["url"])
+        """Follows the data dir's announcement: an ``up`` that restarted itself (its
+        embedded broker was lost) serves the store on a new port."""
+        return ServiceReader(self.info["url"], follow=load_settings(data_dir=self.data_dir))
 
     @property
     def running(self) -> bool:
@@ -36,8 +41,6 @@ class UpProcess:
 
     def start(self, timeout_s: float = 90.0) -> UpProcess:
         """Start the child (a no-op while it runs) and wait for its announcement."""
-        from loopwatch.config import load_settings
-
         if self.running:
             return self
         settings = load_settings(data_dir=self.data_dir)
@@ -62,15 +65,41 @@ class UpProcess:
         self.kill()
         raise TimeoutError(f"loopwatch up did not come up in {timeout_s:.0f}s; see {log_dir}")
 
+    def rejoin(self, timeout_s: float = 90.0) -> UpProcess:
+        """After the child restarted itself in place (same pid: its embedded broker was
+        lost), wait for its new store-service announcement."""
+        settings = load_settings(data_dir=self.data_dir)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.running:
+                raise RuntimeError(f"loopwatch up exited; see {self.data_dir}/logs/up.log")
+            announced = running_service(settings)
+            if (announced and announced.get("pid") == self.process.pid  # type: ignore[union-attr]
+                    and announced.get("url") != self.info.get("url")):
+                self.info = announced
+                return self
+            time.sleep(0.2)
+        raise TimeoutError(f"loopwatch up did not announce itself again in {timeout_s:.0f}s")
+
     def health(self) -> dict[str, Any]:
         return self.reader.health()
+
+    @property
+    def broker(self) -> BrokerAnnouncement | None:
+        """The embedded broker as recorded in the data dir (it may outlive the child)."""
+        return read_announcement(self.data_dir)
+
+    def discard_broker(self) -> None:
+        """Stop a broker the child left running (after :meth:`kill`); its memory is lost."""
+        discard_broker(self.data_dir)
 
     def stop(self, timeout_s: float = 90.0) -> int | None:
         """SIGTERM: the child drains what the broker holds, then exits."""
         return None if self.process is None else terminate(self.process, timeout_s)
 
     def kill(self) -> None:
-        """SIGKILL, as a crash would: nothing drains, nothing is committed."""
+        """SIGKILL, as a crash would: nothing drains, nothing is committed; an embedded
+        broker goes on running, for the next start to adopt."""
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()

@@ -37,6 +37,19 @@ T = TypeVar("T")
 # world-readable shows as such (tests/test_service_auth.py checks the data dirs).
 os.umask(0o022)
 
+#: Fixtures that start a service: a test that needs one (directly or through another
+#: fixture) is in the ``stack`` tier; ``pytest -m "not stack"`` runs the fast tier
+#: (in-process chdb allowed). A test that starts a service itself says so with
+#: ``pytest.mark.stack``.
+STACK_FIXTURES = frozenset({"broker", "alertmanager", "pipeline", "browser"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if STACK_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.stack)
+
+
 PIPELINE_ENV = {
     "LOOPWATCH_ABANDON_TTL_S": "6",
     "LOOPWATCH_IDLE_ADVANCE_S": "2",

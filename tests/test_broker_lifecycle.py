@@ -26,6 +26,8 @@ from loopwatch.embedded.lifecycle import BrokerError, DataDirBroker
 from loopwatch.upprocess import UpProcess
 from tests.conftest import PIPELINE_ENV, scalar, wait_for
 
+pytestmark = pytest.mark.stack  # starts brokers / `loopwatch up` itself
+
 #: no run is abandoned while ``up`` is down or restarting: outcomes come from run.end
 ENV = {**PIPELINE_ENV, "LOOPWATCH_ABANDON_TTL_S": "600"}
 #: terminal reason -> outcome, cycled over the runs

@@ -12,6 +12,7 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 from kafka import KafkaConsumer, TopicPartition
 
 from ingest.sdk import Emitter, RunContext
@@ -122,6 +123,7 @@ def _committed_everything(bootstrap: str, settings: Settings) -> bool:
         consumer.close()
 
 
+@pytest.mark.stack  # starts its own broker / `loopwatch up`
 def test_writes_that_fail_in_a_long_outage_are_sent_again_and_commits_go_on(tmp_path: Path):
     """Guarantee: a processor write to Kafka that gives up (here the state changelog of a
     run the sweep abandons while the broker is paused, past a 2 s producer timeout) is

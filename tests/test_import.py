@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 
 from ingest.events import canonical_args_hash
 from ingest.importers.jsonl import read_jsonl
@@ -236,6 +237,7 @@ def test_ingest_transcript_labels_runs_by_their_reward(pipeline, reader, agent, 
                      ["read_file", canonical_args_hash("read_file", {"path": "models.py"})]]
 
 
+@pytest.mark.stack  # starts its own broker / `loopwatch up`
 def test_ingest_without_loopwatch_up_starts_one_for_the_import(tmp_path):
     path = tmp_path / "runs.jsonl"
     path.write_bytes(orjson.dumps({"messages": RUN["messages"], "success": True}) + b"\n")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
+import pytest
+
 from ingest.sdk import Emitter, RunContext
 from loopwatch.upprocess import UpProcess
 from tests.conftest import PIPELINE_ENV, scalar, wait_for
@@ -62,6 +64,7 @@ def test_a_label_before_its_run_is_applied_once_when_the_run_comes(emitter, pipe
     assert counters(pipeline) == (before[0] + 1, before[1] + 1, before[2])
 
 
+@pytest.mark.stack  # starts its own broker / `loopwatch up`
 def test_a_waiting_label_survives_a_restart_of_the_embedded_stack(tmp_path: Path):
     """The embedded broker forgets the changelog on stop: the waiting label's state is
     rebuilt from the ``labels`` table, and the run that comes after the restart gets it."""

@@ -17,6 +17,7 @@ import signal
 import uuid
 from pathlib import Path
 
+import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient
 
@@ -26,6 +27,8 @@ from loopwatch.config import Settings
 from loopwatch.upprocess import UpProcess
 from processors.deadletter import payload_limit
 from tests.conftest import PIPELINE_ENV, scalar, wait_for
+
+pytestmark = pytest.mark.stack  # starts brokers / `loopwatch up` itself
 
 BIG_BYTES = 10 * 1024 * 1024
 RUNS = 1000

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from ingest.sdk import Emitter, RunContext
 from loopwatch.upprocess import UpProcess
 from tests.conftest import PIPELINE_ENV, scalar, wait_for
+
+pytestmark = pytest.mark.stack  # starts brokers / `loopwatch up` itself
 
 
 def test_open_runs_survive_a_restart_of_the_embedded_stack(tmp_path: Path):

@@ -123,6 +123,7 @@ def test_a_burst_makes_one_full_envelope_per_partition(broker, tmp_path: Path):
     assert sizes == [(1, 0), (10, 0), (10, 1), (10, 2)]
 
 
+@pytest.mark.stack  # starts its own broker / `loopwatch up`
 def test_broker_unreachable_events_spool_and_are_resent_once_it_is_back(tmp_path: Path):
     """Guarantee: nothing is lost while the broker is down; resends are by event_id."""
     port = free_port()
@@ -314,6 +315,7 @@ def test_bodies_the_broker_already_acknowledged_are_not_sent_again(broker, tmp_p
     assert len(second.model_dump_json()) < len(first.model_dump_json()) - 2000
 
 
+@pytest.mark.stack  # starts its own broker / `loopwatch up`
 def test_capture_messages_spool_with_their_topic_and_are_resent(tmp_path: Path):
     port = free_port()
     emitter = Emitter(f"127.0.0.1:{port}", "spooled", tmp_path / "spool",

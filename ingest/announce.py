@@ -39,6 +39,8 @@ class BrokerAnnouncement:
 
     ``incarnation`` changes each time a broker process is started (never when an
     ``up`` adopts a broker that is still running); ``pid`` is the broker's own process.
+    ``stopped_at`` is set when a clean stop of ``up`` stopped the broker (it had nothing
+    uncommitted); the record stays, so the next start reuses its port.
     """
 
     bootstrap: str
@@ -47,6 +49,7 @@ class BrokerAnnouncement:
     events_topic: str
     consumer_group: str
     started_at: float
+    stopped_at: float | None = None
 
     @property
     def port(self) -> int:
@@ -80,6 +83,7 @@ def read_announcement(data_dir: Path) -> BrokerAnnouncement | None:
             events_topic=str(data["events_topic"]),
             consumer_group=str(data["consumer_group"]),
             started_at=float(data["started_at"]),
+            stopped_at=None if data.get("stopped_at") is None else float(data["stopped_at"]),
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -37,6 +37,7 @@ def up(
         help="OTLP/HTTP receiver port [env LOOPWATCH_OTLP_PORT, default 4318]")] = None,
 ) -> None:
     """Run broker (unless configured), processors and the store service until Ctrl-C."""
+    from loopwatch.embedded.lifecycle import BrokerError
     from loopwatch.runtime import run_up
 
     settings = settings_from(data_dir)
@@ -60,7 +61,11 @@ def up(
             + f"  duplicates {counters['duplicates']}  store retries {status['sink_failures']}"
             + f"  broker retries {status['kafka_write_retries']}")
 
-    run_up(settings, on_ready=ready, on_status=progress, otlp_port=otlp_port)
+    try:
+        run_up(settings, on_ready=ready, on_status=progress, otlp_port=otlp_port)
+    except BrokerError as exc:
+        console.print(f"loopwatch up: {exc}", markup=False, highlight=False)
+        raise typer.Exit(1) from None
 
 
 @app.command()

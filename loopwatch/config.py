@@ -48,6 +48,10 @@ class Settings(BaseSettings):
     kafka_bootstrap: str | None = Field(
         None, description="host:port[,host:port]; unset = start the embedded broker"
     )
+    broker_port: int = Field(
+        0, ge=0, le=65535, description="the embedded broker's loopback port; 0 = the port "
+        "recorded in <data_dir>/broker.json, or a free one on the first start (then recorded)"
+    )
     clickhouse_url: str | None = Field(
         None, repr=False, description="http(s)://user:pass@host:port/db; unset = embedded chdb"
     )

@@ -31,7 +31,7 @@ from ingest.otlp.settings import load_otlp_settings
 from loopwatch.capture.decide import start_decider
 from loopwatch.config import Settings
 from loopwatch.deadletters import replay_pending
-from loopwatch.embedded.broker import EmbeddedBroker
+from loopwatch.embedded.lifecycle import DataDirBroker
 from loopwatch.masking import safe_url
 from loopwatch.reprocess import reprocess_with
 from loopwatch.store.clickhouse import connect, migrate
@@ -89,6 +89,11 @@ class DrainingWorker(faust.Worker):
         """Stop faust; a write still failing gives up rather than hold the stop."""
         self._processor.stop_retrying()
         super()._on_sigterm()
+
+    def stop_for_lost_broker(self) -> None:
+        """The embedded broker died: stop at once (nothing left to drain), from any
+        thread, so that ``up`` can start a new broker and a new worker."""
+        self.loop.call_soon_threadsafe(self._stop_now)
 
     async def _drain(self) -> None:
         """Stop once the group's committed offsets reach the end of its topics."""
@@ -313,6 +318,96 @@ def _start_otlp(settings: Settings, bootstrap: str, port: int | None) -> OtlpRec
     return receiver
 
 
+def uncommitted(bootstrap: str, settings: Settings) -> int | None:
+    """Messages on the events and captures topics the group has not committed; 0 when
+    the topics do not exist (nothing was sent), None when the broker cannot tell."""
+    try:
+        probe = LagProbe(bootstrap, settings.consumer_group, settings.events_topic,
+                         settings.captures_topic)
+    except Exception:
+        return None
+    try:
+        return probe.lag()
+    except RuntimeError:  # a topic without partitions: never created
+        return 0
+    except Exception:
+        return None
+    finally:
+        probe.close()
+
+
+class PipelineSupervisor:
+    """The faust worker of ``up``, started again when the embedded broker is lost.
+
+    A new broker is a new incarnation: topics, committed offsets and the run-state
+    changelog are gone with the old one. So the worker is stopped first (its consumer
+    must never commit old positions into the new broker), then the broker restarted on
+    the same port and its topics recreated, then a new processor runs on a new event
+    loop: its group has no offsets, so it reads the new topics from the start, and it
+    rebuilds open runs from the store as at any start. The counters go on.
+    """
+
+    def __init__(self, settings: Settings, bootstrap: str, broker: DataDirBroker | None,
+                 make_processor: Callable[[], Processor], stop_requested: threading.Event,
+                 loglevel: str, watch_every_s: float = 0.5) -> None:
+        self.settings = settings
+        self.bootstrap = bootstrap
+        self.broker = broker
+        self.make_processor = make_processor
+        self.stop_requested = stop_requested
+        self.loglevel = loglevel
+        self.watch_every_s = watch_every_s
+        self.processor = make_processor()
+        self.restarts = 0
+
+    def run(self) -> None:
+        """Run the worker until it stops for any reason other than a lost broker."""
+        while True:
+            worker = DrainingWorker(
+                self.processor, self.bootstrap, self.stop_requested, loglevel=self.loglevel,
+                quiet=True, redirect_stdouts=False,
+                logfile=str(self.settings.data_dir / "logs" / "worker.log"))
+            ended = threading.Event()
+            lost = threading.Event()
+            if self.broker is not None:
+                threading.Thread(target=self._watch, args=(worker, ended, lost),
+                                 name="broker-watch", daemon=True).start()
+            try:
+                with contextlib.suppress(SystemExit):
+                    worker.execute_from_commandline()
+            finally:
+                ended.set()
+            if not lost.is_set() or self.stop_requested.is_set():
+                return
+            self._restart_broker()
+
+    def _watch(self, worker: DrainingWorker, ended: threading.Event,
+               lost: threading.Event) -> None:
+        assert self.broker is not None
+        while not ended.wait(self.watch_every_s):
+            if not self.broker.alive():
+                log.error("the embedded broker (pid %d) is gone; stopping the processors "
+                          "to start a new one", self.broker.announcement.pid)
+                lost.set()
+                worker.stop_for_lost_broker()
+                return
+
+    def _restart_broker(self) -> None:
+        assert self.broker is not None
+        counters = self.processor.pipeline.counters
+        announcement = self.broker.restart()
+        ensure_topics(self.bootstrap, self.settings)
+        self.restarts += 1
+        log.error("started a new embedded broker (incarnation %s, pid %d) on %s; open runs "
+                  "are rebuilt from the store, agents resend what was not committed",
+                  announcement.incarnation, announcement.pid, announcement.bootstrap)
+        asyncio.set_event_loop(asyncio.new_event_loop())
+        for signum in (signal.SIGINT, signal.SIGTERM):  # the closed loop took faust's
+            signal.signal(signum, lambda *_: self.stop_requested.set())
+        self.processor = self.make_processor()
+        self.processor.pipeline.counters = counters
+
+
 def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None = None,
            on_status: Callable[[dict[str, Any]], None] | None = None,
            loglevel: str = "warning", otlp_port: int | None = None) -> None:
@@ -322,7 +417,7 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
     stop_requested = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop_requested.set())
-    broker: EmbeddedBroker | None = None
+    broker: DataDirBroker | None = None
     service: StoreService | None = None
     receiver: OtlpReceiver | None = None
     detectors_stop = threading.Event()
@@ -330,7 +425,7 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
         if settings.kafka_bootstrap:
             bootstrap = settings.kafka_bootstrap
         else:
-            broker = EmbeddedBroker(settings.data_dir / "logs" / "broker.log").start()
+            broker = DataDirBroker(settings).acquire()
             bootstrap = broker.bootstrap
         ensure_topics(bootstrap, settings)
         writer = migrate(settings)
@@ -340,8 +435,11 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
         fault_marker = os.environ.get("LOOPWATCH_FAULT_SINK_FILE")
         if fault_marker:
             sink = FaultInjectingSink(sink, Path(fault_marker))
-        processor = Processor(settings, bootstrap, sink,
-                              open_runs=open_runs, lookup_run=lookup_run)
+        supervisor = PipelineSupervisor(
+            settings, bootstrap, broker,
+            lambda: Processor(settings, bootstrap, sink, open_runs=open_runs,
+                              lookup_run=lookup_run),
+            stop_requested, loglevel)
         store = (safe_url(settings.clickhouse_url) if settings.clickhouse_url
                  else f"chdb://{settings.chdb_path}")  # announced and printed: no password
 
@@ -350,6 +448,7 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
 
         def status() -> dict[str, Any]:
             outbox = detectors.outbox
+            processor = supervisor.processor
             return {"counters": vars(processor.pipeline.counters),
                     "sink_failures": processor.sink.failures,
                     "kafka_write_retries": processor.kafka_writes.retries,
@@ -381,11 +480,7 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
         _sample_gauges(settings, bootstrap, connect(settings), status, detectors_stop)
         start_size_cap(settings, connect(settings), detectors_stop)
         start_decider(settings, connect(settings), detectors_stop)
-        worker = DrainingWorker(processor, bootstrap, stop_requested,
-                                loglevel=loglevel, quiet=True, redirect_stdouts=False,
-                                logfile=str(settings.data_dir / "logs" / "worker.log"))
-        with contextlib.suppress(SystemExit):
-            worker.execute_from_commandline()
+        supervisor.run()
     finally:
         detectors_stop.set()
         if receiver is not None:
@@ -393,4 +488,4 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
         if service is not None:
             service.stop()
         if broker is not None:
-            broker.stop()
+            broker.release(uncommitted(broker.bootstrap, settings))

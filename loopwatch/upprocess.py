@@ -14,6 +14,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from ingest.announce import BrokerAnnouncement, read_announcement
+from loopwatch.embedded.lifecycle import discard_broker
 from loopwatch.processes import terminate
 from loopwatch.store.reader import ServiceReader, running_service
 
@@ -64,12 +66,22 @@ class UpProcess:
     def health(self) -> dict[str, Any]:
         return self.reader.health()
 
+    @property
+    def broker(self) -> BrokerAnnouncement | None:
+        """The embedded broker as recorded in the data dir (it may outlive the child)."""
+        return read_announcement(self.data_dir)
+
+    def discard_broker(self) -> None:
+        """Stop a broker the child left running (after :meth:`kill`); its memory is lost."""
+        discard_broker(self.data_dir)
+
     def stop(self, timeout_s: float = 90.0) -> int | None:
         """SIGTERM: the child drains what the broker holds, then exits."""
         return None if self.process is None else terminate(self.process, timeout_s)
 
     def kill(self) -> None:
-        """SIGKILL, as a crash would: nothing drains, nothing is committed."""
+        """SIGKILL, as a crash would: nothing drains, nothing is committed; an embedded
+        broker goes on running, for the next start to adopt."""
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()

@@ -46,6 +46,7 @@ class Tracked:
     reserved: int = 0
     capture: bool = False
     carried: tuple[str, ...] = ()
+    resend: bool = False
 
 
 class Confirmations:

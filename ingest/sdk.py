@@ -1,8 +1,10 @@
 """The emitter SDK: what an agent calls.
 
-Usage (``bootstrap`` is what ``loopwatch up`` prints)::
+Usage: with no address the emitter finds ``loopwatch up``'s embedded broker from the
+data dir (``<data_dir>/broker.json``; ``data_dir=`` or ``LOOPWATCH_DATA_DIR``), or give
+a Kafka bootstrap (``host:port[,...]``)::
 
-    with Emitter(bootstrap) as emitter:
+    with Emitter() as emitter:
         with emitter.run(agent="support", task_type="refund", model="gpt-4o") as run:
             run.step()
             run.llm_call(input_tokens=1200, output_tokens=80, cache_read_input_tokens=1000)
@@ -14,8 +16,27 @@ raises ``pydantic.ValidationError`` there), queued, and sent by a background thr
 with kafka-python, so the agent's loop never waits on the network. Events for one
 partition travel together in an envelope (the partition is chosen from ``run_id``, so
 a run's events stay ordered): up to ``max_batch`` events of a partition, gathered for
-up to ``linger_s``. When the broker cannot take them they go to a bounded
-on-disk spool and are resent later; ``event_id`` makes a resend harmless.
+up to ``linger_s``. Every accepted event has room reserved in a bounded on-disk spool
+(:mod:`ingest.spool`); when the spool is full, ``emit`` raises :class:`SpoolFull` and
+the event is counted in ``stats.refused``, never dropped later. ``event_id`` makes
+every resend harmless downstream.
+
+- The embedded broker (``confirm="auto"`` when the address is the data dir's broker,
+  or ``confirm="pipeline"``) keeps everything in memory, so its acknowledgement is not
+  enough: each batch is written ahead to the spool (one fsync) and kept until the
+  processors' consumer group committed past it (:mod:`ingest.confirm`). When the
+  broker was restarted (a new incarnation in broker.json, or committed offsets that
+  went back) everything not yet confirmed is sent again.
+- A Kafka cluster (``acks=all``, replication; ``confirm="broker"``, or ``auto`` with an
+  address no broker.json announces): the acknowledgement is enough, and only what the
+  broker cannot take is spooled and resent.
+
+``flush()`` waits for the broker's acknowledgement (or the spool, while the broker is
+unreachable); ``flush(confirmed=True)`` / ``wait_confirmed()`` for the pipeline's
+commit. ``close()`` never raises for the broker and never drops: what is unconfirmed
+stays spooled, and the next emitter on that spool resends it; emitters on the default
+spool folder (``<data_dir>/spool/<spool_name>``, held with ``flock``) adopt the folders
+of emitters that exited.
 
 Capture (docs/capture.md): ``llm_call(prompt=..., response=...)`` and
 ``tool_call(tool, args=..., output=...)`` also record the bodies. They are redacted,
@@ -93,6 +114,11 @@ def free_text_fields(kind: type[EventBase]) -> tuple[str, ...]:
 CAPTURE_MODES = ("off", "failures", "all")
 #: A spooled capture message is ``@<topic> <message>``: no event line starts with ``@``.
 SPOOL_TOPIC_MARK = b"@"
+#: a resend round hands kafka-python at most this many bytes (a quarter of its default
+#: 32 MiB buffer, which would otherwise block the sender thread once full), and the next
+#: round starts only once the last one settled: an outage costs one round per delivery
+#: timeout, not the whole spool every 2 s
+RESEND_ROUND_BYTES = 8 << 20
 
 
 @functools.lru_cache(maxsize=65536)
@@ -262,6 +288,10 @@ class Emitter:
             "retries": 5,
             "request_timeout_ms": 10_000,
             "delivery_timeout_ms": 30_000,
+            # kafka-python 3's idempotent producer never recovers from a broker that lost
+            # its producer ids (a restarted embedded broker): UnknownProducerIdError, then
+            # every InitProducerId fails. Duplicates are harmless here (event_id).
+            "enable_idempotence": False,
             **(producer_config or {}),
         }
         self._queue: Handoff[Queued | Outgoing] = Handoff()
@@ -275,6 +305,8 @@ class Emitter:
         self._closed = False
         self._late_calls = ThreadPoolExecutor(max_workers=32, thread_name_prefix="tool")
         self._next_resend = 0.0
+        #: messages of the last resend round not yet settled (the next waits for them)
+        self._resending = 0
         self._resend_all = threading.Event()
         self.delivered_blobs = DeliveredBlobs()
         self.confirmations: Confirmations | None = None
@@ -649,43 +681,67 @@ class Emitter:
             self._follow_broker()
             self._next_resend = 0.0
         now = time.monotonic()
-        if now < self._next_resend or not self.spool.pending_resend():
+        if now < self._next_resend or self._resending or not self.spool.pending_resend():
             return
         self._next_resend = now + 2.0
         if not self._connect():
             return
-        limit = self._max_message_bytes - ENVELOPE_OVERHEAD_BYTES
+        handed = 0
         for seq, generation, lines in self.spool.take_resend():
-            sendable = [line for line in lines if len(line) <= limit]
-            if len(sendable) < len(lines):
-                self.spool.dropped += len(lines) - len(sendable)
-                log.error("%d spooled events over the %d-byte message limit dropped",
-                          len(lines) - len(sendable), limit)
-                self.spool.confirm(seq, generation, len(lines) - len(sendable))
-            self.stats.resent += len(sendable)
-            events: list[Queued] = []
-            outgoing: list[Outgoing] = []
-            for line in sendable:
-                if line.startswith(SPOOL_TOPIC_MARK):
-                    topic, _, value = line[1:].partition(b" ")
-                    outgoing.append(Outgoing(topic.decode("utf-8", "replace"),
-                                             run_id_of(value), value))
-                else:
-                    events.append((partition_key(line), line))
+            handed += sum(len(line) for line in lines)
+            events, outgoing = self._resendable(lines)
+            unsendable = len(lines) - len(events) - len(outgoing)
+            if unsendable:
+                self.spool.dropped += unsendable
+                self.spool.confirm(seq, generation, unsendable)
+            self.stats.resent += len(events) + len(outgoing)
             with self._outstanding_lock:
-                self._outstanding += len(sendable)
+                self._outstanding += len(events) + len(outgoing)
             try:
-                self._dispatch(events, outgoing, seq, generation)
+                self._dispatch(events, outgoing, seq, generation, resend=True)
             except Exception:
                 self.spool.mark_resend(seq, generation)  # sent again, whole, next round
                 raise
+            if handed >= RESEND_ROUND_BYTES:
+                break
+
+    def _resendable(self, lines: list[bytes]) -> tuple[list[Queued], list[Outgoing]]:
+        """Spool records as events and capture messages to send. A line that is not an
+        event (torn by a crash) goes too, for the processors to dead-letter with its
+        reason. Left out, logged (and counted in the spool's ``dropped`` by the caller):
+        a record larger than a message (``max_message_bytes`` lowered since), which
+        could never be sent, and a capture bound for a topic other than this emitter's
+        captures topic (a record planted or damaged: it must not pick the topic)."""
+        limit = self._max_message_bytes - ENVELOPE_OVERHEAD_BYTES
+        events: list[Queued] = []
+        outgoing: list[Outgoing] = []
+        oversized = foreign = 0
+        for line in lines:
+            if len(line) > limit:
+                oversized += 1
+            elif line.startswith(SPOOL_TOPIC_MARK):
+                topic, _, value = line[1:].partition(b" ")
+                if topic != self.captures_topic.encode():
+                    foreign += 1
+                    continue
+                outgoing.append(Outgoing(self.captures_topic, run_id_of(value), value))
+            else:
+                events.append((partition_key(line), line))
+        if oversized:
+            log.error("%d spooled events over the %d-byte message limit dropped",
+                      oversized, limit)
+        if foreign:
+            log.error("%d spooled capture messages for another topic dropped", foreign)
+        return events, outgoing
 
     def _follow_broker(self) -> None:
-        """A restarted embedded broker may listen elsewhere: reconnect if it moved."""
+        """A restarted broker: connect afresh (to where broker.json says it listens),
+        since the producer's session state (its producer id) died with the old one."""
         announced = self._announcement()
-        if announced is not None and announced.bootstrap != self.bootstrap:
-            self._close_producer()
-            self._partitions = None
+        self._close_producer()
+        self._partitions = None
+        self._topic_partitions.clear()
+        if announced is not None:
             self.bootstrap = announced.bootstrap
 
     def _send(self, batch: list[Queued | Outgoing]) -> None:
@@ -711,19 +767,19 @@ class Emitter:
         self._dispatch(events, outgoing, seq, generation)
 
     def _dispatch(self, events: list[Queued], outgoing: list[Outgoing], seq: int | None,
-                  generation: int) -> None:
+                  generation: int, resend: bool = False) -> None:
         """Send events (grouped by partition into envelopes) and capture messages; each
         Kafka message is tracked, by its spool segment ``seq`` or in memory (None)."""
         assert self._partitions is not None
         for item in outgoing:
-            self._send_outgoing(item, self._tracked(1, seq, generation,
-                                                    [item.spool_line()], capture=True))
+            self._send_outgoing(item, self._tracked(1, seq, generation, [item.spool_line()],
+                                                    capture=True, resend=resend))
         groups: dict[int, list[bytes]] = defaultdict(list)
         keys: dict[int, str] = {}
         for key, line in events:
             if key is None:  # not JSON (a spool line torn by a crash): a message alone
                 self._send_message(partition_for("", self._partitions), [line], "",
-                                   self._tracked(1, seq, generation, [line]))
+                                   self._tracked(1, seq, generation, [line], resend=resend))
             else:
                 partition = partition_for(key, self._partitions)
                 groups[partition].append(line)
@@ -731,12 +787,13 @@ class Emitter:
         for partition, group in groups.items():
             for chunk in self._chunks(group):
                 self._send_message(partition, chunk, keys[partition],
-                                   self._tracked(len(chunk), seq, generation, chunk))
+                                   self._tracked(len(chunk), seq, generation, chunk,
+                                                 resend=resend))
 
     def _tracked(self, records: int, seq: int | None, generation: int, lines: list[bytes],
-                 capture: bool = False) -> Tracked:
+                 capture: bool = False, resend: bool = False) -> Tracked:
         if seq is not None:
-            return Tracked(records, seq, generation, capture=capture)
+            return Tracked(records, seq, generation, capture=capture, resend=resend)
         return Tracked(records, lines=lines, reserved=sum(len(line) + 1 for line in lines),
                        capture=capture)
 
@@ -752,6 +809,8 @@ class Emitter:
             return
         except BaseException:
             self._forget(tracked)
+            with self._outstanding_lock:
+                self._resending -= int(tracked.resend)
             raise
         future.add_callback(self._delivered, tracked)
         future.add_errback(self._failed, tracked)
@@ -779,7 +838,7 @@ class Emitter:
                                      tracked)
         else:
             self.spool.confirm(tracked.segment, tracked.generation, tracked.records)
-        self._settled(tracked.records)
+        self._settled(tracked.records, tracked)
 
     def _failed(self, tracked: Tracked, exc: BaseException) -> None:
         """A send failed (at once, or after kafka-python's retries): keep it for a resend."""
@@ -791,12 +850,15 @@ class Emitter:
         else:
             self.spool.mark_resend(tracked.segment, tracked.generation)
             self.stats.spooled += tracked.records
-        self._settled(tracked.records)
+        self._settled(tracked.records, tracked)
 
     def _remember(self, tracked: Tracked) -> None:
-        if tracked.segment is None:
-            with self._outstanding_lock:
+        """A message is about to be sent: track it until its callbacks settle it."""
+        with self._outstanding_lock:
+            if tracked.segment is None:
                 self._in_memory[id(tracked)] = tracked
+            if tracked.resend:
+                self._resending += 1
 
     def _forget(self, tracked: Tracked) -> bool:
         """Stop tracking an in-memory message; False if someone else already settled it."""
@@ -849,9 +911,11 @@ class Emitter:
         self._produce(tracked, item.topic, value, item.run_id.encode(),
                       partition_for(item.run_id, partitions))
 
-    def _settled(self, events: int) -> None:
+    def _settled(self, events: int, tracked: Tracked | None = None) -> None:
         with self._outstanding_lock:
             self._outstanding -= events
+            if tracked is not None and tracked.resend:
+                self._resending -= 1
 
     def _run_late(self, fn: Callable[[], T]) -> Future[T]:
         return self._late_calls.submit(fn)

@@ -51,6 +51,10 @@ class SpoolLocked(RuntimeError):
     """Another live emitter holds this spool folder."""
 
 
+class SpoolUnsafe(RuntimeError):
+    """The spool folder is a symlink or belongs to another user."""
+
+
 @dataclass(slots=True)
 class Segment:
     """One segment file. ``unconfirmed`` counts its records not yet confirmed in the
@@ -99,18 +103,33 @@ def _lock(directory: Path) -> int | None:
 
 
 def _segment_files(directory: Path) -> list[Path]:
+    """The segment files of a folder, oldest first; never a symlink (a link planted in
+    a spool folder would have its target's content sent to the broker)."""
     found = sorted(directory.glob(f"{SEGMENT_PREFIX}*{SEGMENT_SUFFIX}"))
     legacy = directory / LEGACY_FILE
-    return [legacy, *found] if legacy.exists() else found
+    candidates = [legacy, *found] if legacy.exists() or legacy.is_symlink() else found
+    return [path for path in candidates if not path.is_symlink() and path.is_file()]
 
 
 def read_lines(path: Path) -> list[bytes]:
-    """A segment's records; a torn last line (no newline) is one record of its own."""
+    """A segment's records; a torn last line (no newline) is one record of its own.
+    Opened with ``O_NOFOLLOW``: a segment swapped for a symlink reads as empty."""
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (FileNotFoundError, OSError):
         return []
+    with os.fdopen(descriptor, "rb") as handle:
+        data = handle.read()
     return [line for line in data.split(b"\n") if line]
+
+
+def owned(directory: Path) -> bool:
+    """Whether this user owns ``directory`` (a spool folder made by someone else is
+    refused: whoever owns it could plant or read records)."""
+    try:
+        return directory.lstat().st_uid == os.geteuid() and not directory.is_symlink()
+    except OSError:
+        return False
 
 
 class DiskSpool:
@@ -118,6 +137,8 @@ class DiskSpool:
 
     def __init__(self, directory: Path, max_bytes: int, *, segment_bytes: int = 16 << 20,
                  topic: str = "", sync: bool = True) -> None:
+        if directory.is_symlink() or (directory.exists() and not owned(directory)):
+            raise SpoolUnsafe(f"spool {directory} is a symlink or is not yours; refusing it")
         self.directory = private_dir(directory)
         self.max_bytes = max_bytes
         self.segment_bytes = segment_bytes
@@ -316,7 +337,7 @@ class DiskSpool:
         with one fsync, then the orphan's files are deleted (a crash in between sends
         them twice, which is harmless). Returns how many records were adopted; 0 if
         the folder is held, belongs to another topic, or its records do not fit."""
-        if orphan.resolve() == self.directory.resolve() or not orphan.is_dir():
+        if orphan.resolve() == self.directory.resolve() or not owned(orphan):
             return 0
         try:
             lock = _lock(orphan)

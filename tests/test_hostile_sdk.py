@@ -229,7 +229,9 @@ def test_hostile_spool_folders_are_sent_on_as_dead_letters_or_refused_never_foll
                  60, what="the adopted records to be resent")
         assert emitter.spool.dropped == 2  # the two capture records naming a topic
         emitter.emit(Step(run_id=f"{agent}-run", agent=agent, step=1))
-    assert not orphan.exists() and (root / "linked").is_symlink()
+    # what was adopted is gone; the planted link is left as it was, never followed
+    assert [path.name for path in orphan.iterdir()] == ["seg-000000000001.log"]
+    assert (orphan / "seg-000000000001.log").is_symlink() and (root / "linked").is_symlink()
     assert (elsewhere / "seg-000000000000.log").read_bytes() == secret.read_bytes()
     wait_stored(reader, agent, 2)
     sql = ("SELECT count() FROM dead_letters FINAL WHERE position(payload, {m:String}) > 0")

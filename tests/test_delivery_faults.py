@@ -28,11 +28,13 @@ from loopwatch.embedded.broker import EmbeddedBroker
 from loopwatch.upprocess import UpProcess
 from tests.conftest import PIPELINE_ENV, scalar, wait_for
 from tests.delivery_agent import EVENTS_PER_RUN, emit_run, outcome, run_id
+from tests.test_capture import reassemble, wait_decided
 from tests.test_sdk import create_topic
 
 #: no run is abandoned while the pipeline is down: outcomes come from run.end
 ENV = {**PIPELINE_ENV, "LOOPWATCH_ABANDON_TTL_S": "600", "LOOPWATCH_DRAIN_TIMEOUT_S": "10"}
 FIGURES: dict[str, str] = {}
+PROMPT = [{"role": "user", "content": "Refund order 7, please."}]
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +148,8 @@ def test_an_agent_restarted_with_a_non_empty_spool_resends_it(up: UpProcess, tmp
 
 def test_a_store_outage_then_a_broker_loss_loses_nothing(up: UpProcess, tmp_path: Path):
     """While ClickHouse refuses writes nothing is committed, so nothing is confirmed: the
-    spool keeps exactly what was sent during the outage. The broker is then SIGKILLed
+    spool keeps exactly what was sent during the outage, a run's captured bodies too
+    (they travel on loopwatch.captures, which the same group commits). The broker is then SIGKILLed
     (its memory, with every event of the outage, is gone) and restarted by ``up`` with
     a new incarnation; the SDK resends, and once the store is back every event is
     stored exactly once. Before, the events the broker held were lost with it."""
@@ -161,13 +164,17 @@ def test_a_store_outage_then_a_broker_loss_loses_nothing(up: UpProcess, tmp_path
         store_down(up).touch()
         try:
             stream(emitter, agent, 200, 300)
+            with emitter.run(agent=f"{agent}-captured", model="gpt-4o") as captured:
+                captured.llm_call(prompt=PROMPT, response="No refund.", input_tokens=100)
+                captured.end("cannot_complete")
+            assert emitter.flush(60) and emitter.stats.captures_sent == 1
             wait_for(lambda: up.health()["sink_failures"] >= failures_before + 3, 120,
                      what="the processors to hit the unavailable store")
             polls = emitter.confirmations.polls if emitter.confirmations else 0
             wait_for(lambda: emitter.confirmations is not None
                      and emitter.confirmations.polls >= polls + 3, 60,
                      what="three confirmation rounds during the outage")
-            assert emitter.unconfirmed == 300 * EVENTS_PER_RUN
+            assert emitter.unconfirmed == 300 * EVENTS_PER_RUN + 4  # + 3 events, 1 capture
             assert not emitter.flush(3, confirmed=True)
             before = up.broker
             assert before is not None
@@ -182,6 +189,10 @@ def test_a_store_outage_then_a_broker_loss_loses_nothing(up: UpProcess, tmp_path
             emitter.stats.resent
     assert losses >= 1 and resent >= 300 * EVENTS_PER_RUN
     events, runs = assert_exact(up, agent, 600)
+    assert wait_decided(up.reader, captured.run_id, parts=2)[:3] == [
+        1, "failure:gave_up", "gave_up"]
+    assert reassemble(up.reader, captured.run_id) == [("llm.call", "prompt", PROMPT),
+                                                       ("llm.call", "response", "No refund.")]
     FIGURES["store outage + broker loss"] = (
         f"emitted {events}, unconfirmed in the outage {300 * EVENTS_PER_RUN}, resent "
         f"{resent}, stored {stored(up, agent)}, runs exact {runs}")

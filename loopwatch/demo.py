@@ -21,6 +21,7 @@ from dashboards.web.server import serve_in_thread
 from ingest.redact import Redactor
 from ingest.sdk import Emitter
 from loopwatch.config import Settings
+from loopwatch.embedded.lifecycle import discard_broker
 from loopwatch.report import fleet_report
 from loopwatch.simulator import FleetSimulator, SimulatorResult
 from loopwatch.upprocess import UpProcess
@@ -124,6 +125,7 @@ def capture_summary(reader: Any) -> dict[str, Any]:
 def run_demo(settings: Settings, duration_s: float, rate: float, seed: int,
              progress: bool, console: Console) -> dict[str, Any]:
     data_dir = settings.data_dir / "demo"
+    discard_broker(data_dir)  # a killed demo's broker: its record goes with the folder
     shutil.rmtree(data_dir, ignore_errors=True)
     env = {f"LOOPWATCH_{name.upper()}": str(getattr(settings, name)) for name in SETTINGS_ENV}
     env["LOOPWATCH_CAPTURE_DECIDE_INTERVAL_S"] = str(CAPTURE_DECIDE_INTERVAL_S)

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -89,11 +90,6 @@ class DrainingWorker(faust.Worker):
         """Stop faust; a write still failing gives up rather than hold the stop."""
         self._processor.stop_retrying()
         super()._on_sigterm()
-
-    def stop_for_lost_broker(self) -> None:
-        """The embedded broker died: stop at once (nothing left to drain), from any
-        thread, so that ``up`` can start a new broker and a new worker."""
-        self.loop.call_soon_threadsafe(self._stop_now)
 
     async def _drain(self) -> None:
         """Stop once the group's committed offsets reach the end of its topics."""
@@ -336,76 +332,68 @@ def uncommitted(bootstrap: str, settings: Settings) -> int | None:
         probe.close()
 
 
-class PipelineSupervisor:
-    """The faust worker of ``up``, started again when the embedded broker is lost.
+class BrokerWatch:
+    """Restarts ``up`` in place (``exec``) when its embedded broker dies.
 
     A new broker is a new incarnation: topics, committed offsets and the run-state
-    changelog are gone with the old one. So the worker is stopped first (its consumer
-    must never commit old positions into the new broker), then the broker restarted on
-    the same port and its topics recreated, then a new processor runs on a new event
-    loop: its group has no offsets, so it reads the new topics from the start, and it
-    rebuilds open runs from the store as at any start. The counters go on.
+    changelog went with the old one, so everything built on it must start afresh. A
+    faust worker cannot be stopped cleanly without its broker (measured: its stop
+    waited on a consumer commit that retries forever to find the group coordinator,
+    on a producer flush that waits ``producer_request_timeout_s``, and aiokafka's
+    ``Fetcher.close`` let a ``CancelledError`` kill the consumer thread, after which
+    mode waited for that thread forever), and it must not reach a new broker on the
+    same port with its old positions (they would be committed there and skip events).
+    Replacing the process image drops all of it at once; the new ``up`` (same pid,
+    same arguments) finds the record's broker dead and starts one on the same port
+    with a new incarnation, recreates the topics, rebuilds open runs from the store and
+    reads the new topics from the start. The store service announces its new address
+    in ``service.json`` (clients with ``follow`` move with it).
+
+    If a stop was already requested, ``up`` exits 1 instead: the broker is gone and
+    a drain cannot finish.
     """
 
-    def __init__(self, settings: Settings, bootstrap: str, broker: DataDirBroker | None,
-                 make_processor: Callable[[], Processor], stop_requested: threading.Event,
-                 loglevel: str, watch_every_s: float = 0.5) -> None:
-        self.settings = settings
-        self.bootstrap = bootstrap
+    def __init__(self, broker: DataDirBroker, stop_requested: threading.Event,
+                 every_s: float = 0.5) -> None:
         self.broker = broker
-        self.make_processor = make_processor
         self.stop_requested = stop_requested
-        self.loglevel = loglevel
-        self.watch_every_s = watch_every_s
-        self.processor = make_processor()
-        self.restarts = 0
+        self.every_s = every_s
+        self._stopped = threading.Event()
 
-    def run(self) -> None:
-        """Run the worker until it stops for any reason other than a lost broker."""
-        while True:
-            worker = DrainingWorker(
-                self.processor, self.bootstrap, self.stop_requested, loglevel=self.loglevel,
-                quiet=True, redirect_stdouts=False,
-                logfile=str(self.settings.data_dir / "logs" / "worker.log"))
-            ended = threading.Event()
-            lost = threading.Event()
-            if self.broker is not None:
-                threading.Thread(target=self._watch, args=(worker, ended, lost),
-                                 name="broker-watch", daemon=True).start()
-            try:
-                with contextlib.suppress(SystemExit):
-                    worker.execute_from_commandline()
-            finally:
-                ended.set()
-            if not lost.is_set() or self.stop_requested.is_set():
-                return
-            self._restart_broker()
+    def start(self) -> BrokerWatch:
+        threading.Thread(target=self._run, name="broker-watch", daemon=True).start()
+        return self
 
-    def _watch(self, worker: DrainingWorker, ended: threading.Event,
-               lost: threading.Event) -> None:
-        assert self.broker is not None
-        while not ended.wait(self.watch_every_s):
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.every_s):
             if not self.broker.alive():
-                log.error("the embedded broker (pid %d) is gone; stopping the processors "
-                          "to start a new one", self.broker.announcement.pid)
-                lost.set()
-                worker.stop_for_lost_broker()
+                self._restart()
                 return
 
-    def _restart_broker(self) -> None:
-        assert self.broker is not None
-        counters = self.processor.pipeline.counters
-        announcement = self.broker.restart()
-        ensure_topics(self.bootstrap, self.settings)
-        self.restarts += 1
-        log.error("started a new embedded broker (incarnation %s, pid %d) on %s; open runs "
-                  "are rebuilt from the store, agents resend what was not committed",
-                  announcement.incarnation, announcement.pid, announcement.bootstrap)
-        asyncio.set_event_loop(asyncio.new_event_loop())
-        for signum in (signal.SIGINT, signal.SIGTERM):  # the closed loop took faust's
-            signal.signal(signum, lambda *_: self.stop_requested.set())
-        self.processor = self.make_processor()
-        self.processor.pipeline.counters = counters
+    def _restart(self) -> None:
+        lost = self.broker.announcement
+        if self.stop_requested.is_set():
+            log.critical("the embedded broker (pid %d) is gone while stopping; exiting",
+                         lost.pid)
+            _flush_output()
+            os._exit(1)
+        log.error("the embedded broker (pid %d, incarnation %s) is gone; restarting "
+                  "`loopwatch up` to start a new one on %s", lost.pid, lost.incarnation,
+                  lost.bootstrap)
+        _flush_output()
+        os.execv(sys.executable, sys.orig_argv)
+
+
+def _flush_output() -> None:
+    for handler in logging.getLogger().handlers:
+        with contextlib.suppress(Exception):
+            handler.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
 
 
 def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None = None,
@@ -418,6 +406,7 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop_requested.set())
     broker: DataDirBroker | None = None
+    watch: BrokerWatch | None = None
     service: StoreService | None = None
     receiver: OtlpReceiver | None = None
     detectors_stop = threading.Event()
@@ -435,11 +424,8 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
         fault_marker = os.environ.get("LOOPWATCH_FAULT_SINK_FILE")
         if fault_marker:
             sink = FaultInjectingSink(sink, Path(fault_marker))
-        supervisor = PipelineSupervisor(
-            settings, bootstrap, broker,
-            lambda: Processor(settings, bootstrap, sink, open_runs=open_runs,
-                              lookup_run=lookup_run),
-            stop_requested, loglevel)
+        processor = Processor(settings, bootstrap, sink,
+                              open_runs=open_runs, lookup_run=lookup_run)
         store = (safe_url(settings.clickhouse_url) if settings.clickhouse_url
                  else f"chdb://{settings.chdb_path}")  # announced and printed: no password
 
@@ -448,7 +434,6 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
 
         def status() -> dict[str, Any]:
             outbox = detectors.outbox
-            processor = supervisor.processor
             return {"counters": vars(processor.pipeline.counters),
                     "sink_failures": processor.sink.failures,
                     "kafka_write_retries": processor.kafka_writes.retries,
@@ -480,8 +465,16 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
         _sample_gauges(settings, bootstrap, connect(settings), status, detectors_stop)
         start_size_cap(settings, connect(settings), detectors_stop)
         start_decider(settings, connect(settings), detectors_stop)
-        supervisor.run()
+        worker = DrainingWorker(processor, bootstrap, stop_requested,
+                                loglevel=loglevel, quiet=True, redirect_stdouts=False,
+                                logfile=str(settings.data_dir / "logs" / "worker.log"))
+        if broker is not None:
+            watch = BrokerWatch(broker, stop_requested).start()
+        with contextlib.suppress(SystemExit):
+            worker.execute_from_commandline()
     finally:
+        if watch is not None:
+            watch.stop()
         detectors_stop.set()
         if receiver is not None:
             receiver.stop()

@@ -15,6 +15,7 @@ from types import TracebackType
 from typing import Any
 
 from ingest.announce import BrokerAnnouncement, read_announcement
+from loopwatch.config import load_settings
 from loopwatch.embedded.lifecycle import discard_broker
 from loopwatch.processes import terminate
 from loopwatch.store.reader import ServiceReader, running_service
@@ -29,7 +30,9 @@ class UpProcess:
 
     @property
     def reader(self) -> ServiceReader:
-        return ServiceReader(self.info["url"])
+        """Follows the data dir's announcement: an ``up`` that restarted itself (its
+        embedded broker was lost) serves the store on a new port."""
+        return ServiceReader(self.info["url"], follow=load_settings(data_dir=self.data_dir))
 
     @property
     def running(self) -> bool:
@@ -37,8 +40,6 @@ class UpProcess:
 
     def start(self, timeout_s: float = 90.0) -> UpProcess:
         """Start the child (a no-op while it runs) and wait for its announcement."""
-        from loopwatch.config import load_settings
-
         if self.running:
             return self
         settings = load_settings(data_dir=self.data_dir)
@@ -62,6 +63,22 @@ class UpProcess:
             time.sleep(0.2)
         self.kill()
         raise TimeoutError(f"loopwatch up did not come up in {timeout_s:.0f}s; see {log_dir}")
+
+    def rejoin(self, timeout_s: float = 90.0) -> UpProcess:
+        """After the child restarted itself in place (same pid: its embedded broker was
+        lost), wait for its new store-service announcement."""
+        settings = load_settings(data_dir=self.data_dir)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.running:
+                raise RuntimeError(f"loopwatch up exited; see {self.data_dir}/logs/up.log")
+            announced = running_service(settings)
+            if (announced and announced.get("pid") == self.process.pid  # type: ignore[union-attr]
+                    and announced.get("url") != self.info.get("url")):
+                self.info = announced
+                return self
+            time.sleep(0.2)
+        raise TimeoutError(f"loopwatch up did not announce itself again in {timeout_s:.0f}s")
 
     def health(self) -> dict[str, Any]:
         return self.reader.health()

@@ -96,6 +96,15 @@ def process_argv(pid: int) -> list[str] | None:
     return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
 
 
+def owned_by_me(pid: int) -> bool:
+    """Whether the process runs as this process's user (another user's broker on the
+    recorded port is not ours to adopt)."""
+    try:
+        return Path(f"/proc/{pid}").stat().st_uid == os.getuid()
+    except OSError:
+        return False
+
+
 def pid_alive(pid: int) -> bool:
     return pid > 0 and process_argv(pid) is not None
 

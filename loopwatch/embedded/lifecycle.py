@@ -29,6 +29,7 @@ from loopwatch.embedded.broker import (
     answers,
     free_port,
     is_broker_command,
+    owned_by_me,
     pid_alive,
     process_argv,
     stop_pid,
@@ -46,15 +47,37 @@ class BrokerError(RuntimeError):
     """Why ``up`` cannot have its broker, in one line (the CLI exits 1 with it)."""
 
 
-def recorded_broker(data_dir: Path, host: str = HOST) -> BrokerAnnouncement | None:
-    """The recorded broker if its process still runs and is that Tansu broker."""
+def usable_record(data_dir: Path) -> BrokerAnnouncement | None:
+    """The record if it names a loopback port of ours (``127.0.0.1:1-65535``) and a
+    positive pid; a damaged or foreign one counts as none (and is replaced)."""
     record = read_announcement(data_dir)
-    if record is None or record.stopped_at is not None:
+    if record is None:
         return None
-    argv = process_argv(record.pid)
-    if argv is None or not is_broker_command(argv, host, record.port):
+    try:
+        usable = (record.bootstrap == f"{HOST}:{record.port}" and 0 < record.port < 65536
+                  and record.pid > 0)
+    except ValueError:
+        usable = False
+    if not usable:
+        log.warning("ignoring the unusable broker record %s", broker_file(data_dir))
         return None
     return record
+
+
+def recorded_broker(data_dir: Path) -> BrokerAnnouncement | None:
+    """The recorded broker if it still runs (see :func:`is_running`)."""
+    record = usable_record(data_dir)
+    return record if record is not None and is_running(record) else None
+
+
+def is_running(record: BrokerAnnouncement) -> bool:
+    """Whether the record's process runs, is that Tansu broker (its command line
+    listens on the recorded port) and runs as this user; a stopped record never is."""
+    if record.stopped_at is not None:
+        return False
+    argv = process_argv(record.pid)
+    return (argv is not None and is_broker_command(argv, HOST, record.port)
+            and owned_by_me(record.pid))
 
 
 def discard_broker(data_dir: Path) -> None:
@@ -92,8 +115,8 @@ class DataDirBroker:
         recorded (or pinned, or a free) port. Raises :class:`BrokerError`."""
         self._hold_data_dir()
         pinned = self.settings.broker_port
-        record = read_announcement(self.data_dir)
-        running = recorded_broker(self.data_dir)
+        record = usable_record(self.data_dir)
+        running = record if record is not None and is_running(record) else None
         if running is not None and self._answers_or_stop(running):
             if pinned and pinned != running.port:
                 raise BrokerError(
@@ -111,8 +134,9 @@ class DataDirBroker:
         """One ``up`` per data dir manages its broker; the lock goes with the process,
         even on SIGKILL."""
         self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        handle = (self.data_dir / LOCK_FILE).open("ab")
-        os.chmod(handle.name, 0o600)
+        descriptor = os.open(self.data_dir / LOCK_FILE,
+                             os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        handle = os.fdopen(descriptor, "ab")
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -176,6 +200,14 @@ class DataDirBroker:
         """At the end of ``up``: stop the broker and mark the record stopped if the broker
         holds nothing uncommitted (``uncommitted == 0``) or is gone; otherwise leave it
         running for the next ``up`` to adopt."""
+        try:
+            self._stop_unless_holding(uncommitted)
+        finally:
+            if self._lock is not None:
+                self._lock.close()  # the next `up` may take over the data dir
+                self._lock = None
+
+    def _stop_unless_holding(self, uncommitted: int | None) -> None:
         if self._announcement is None:
             return
         if uncommitted != 0 and self.alive():
@@ -190,6 +222,3 @@ class DataDirBroker:
             stop_pid(self.announcement.pid)
         with contextlib.suppress(OSError):
             write_announcement(self.data_dir, replace(self.announcement, stopped_at=time.time()))
-        if self._lock is not None:
-            self._lock.close()
-            self._lock = None

@@ -236,7 +236,7 @@ class Emitter:
         confirm_interval_s: float = 1.0,
         spool_name: str = "emitter",
         spool_max_bytes: int = 256 * 1024 * 1024,
-        spool_segment_bytes: int = 4 << 20,
+        spool_segment_bytes: int = 1 << 20,
         max_batch: int = MAX_BATCH,
         linger_s: float = 0.02,
         max_message_bytes: int = MAX_MESSAGE_BYTES,

@@ -101,10 +101,16 @@ def assert_exact(up: UpProcess, agent: str, runs: int) -> tuple[int, int]:
     return total, len(rows)
 
 
-def new_incarnation(up: UpProcess, before: BrokerAnnouncement) -> BrokerAnnouncement:
-    return wait_for(lambda: (lambda record: record if record and record.incarnation
-                             != before.incarnation and record.stopped_at is None
-                             else None)(up.broker), 240, what="a new broker incarnation")
+def new_incarnation(up: UpProcess, before: BrokerAnnouncement,
+                    rejoin: bool = True) -> BrokerAnnouncement:
+    """Wait for ``up`` to have started a new broker (and, after a loss, to have
+    restarted itself in place and announced its store service again)."""
+    after = wait_for(lambda: (lambda record: record if record and record.incarnation
+                              != before.incarnation and record.stopped_at is None
+                              else None)(up.broker), 240, what="a new broker incarnation")
+    if rejoin:
+        up.rejoin(240)
+    return after
 
 
 def test_an_agent_restarted_with_a_non_empty_spool_resends_it(up: UpProcess, tmp_path: Path):
@@ -130,7 +136,7 @@ def test_an_agent_restarted_with_a_non_empty_spool_resends_it(up: UpProcess, tmp
     assert figures["sent"] == 0 and figures["unconfirmed"] == 300 * EVENTS_PER_RUN
     assert Path(figures["spool"]).name == "agent-1"
     up.start()
-    assert new_incarnation(up, before).bootstrap == before.bootstrap
+    assert new_incarnation(up, before, rejoin=False).bootstrap == before.bootstrap
     second = subprocess.run(
         [sys.executable, "-m", "tests.delivery_agent", str(up.data_dir), agent, "300", "100",
          "emitter", "confirm"], capture_output=True, timeout=600, check=False,

@@ -236,6 +236,35 @@ def test_the_broker_killed_mid_stream_loses_nothing(own_up: UpProcess, tmp_path:
                                    f"{stored(up, agent)}, runs exact {runs}")
 
 
+def test_up_killed_mid_stream_loses_nothing_and_the_spool_waits_for_it(
+        up: UpProcess, tmp_path: Path):
+    """SIGKILL ``up`` while an agent streams (the broker outlives it and the next ``up``
+    adopts it: tests/test_broker_lifecycle.py). While no processor runs nothing is
+    committed, so the spool keeps at least everything emitted meanwhile; after the
+    restart every event is stored once and the spool empties."""
+    agent = "up-killed"
+    with Emitter(data_dir=up.data_dir, spool_dir=tmp_path / "spool",
+                 max_message_bytes=100_000) as emitter:
+        stream(emitter, agent, 0, 600)
+        wait_for(lambda: stored(up, agent)[0] >= 200 * EVENTS_PER_RUN, 180,
+                 what="the processors to store part of the stream")
+        up.kill()
+        stream(emitter, agent, 600, 400)  # while no `up` runs
+        polls = emitter.confirmations.polls if emitter.confirmations else 0
+        wait_for(lambda: emitter.confirmations is not None
+                 and emitter.confirmations.polls >= polls + 2, 60,
+                 what="two confirmation rounds while up is down")
+        waiting = emitter.unconfirmed
+        assert waiting >= 400 * EVENTS_PER_RUN
+        up.start()
+        stream(emitter, agent, 1000, 200)
+        assert emitter.wait_confirmed(300)
+        assert emitter.spool.size() == 0
+    events, runs = assert_exact(up, agent, 1200)
+    FIGURES["up SIGKILLed"] = (f"emitted {events}, unconfirmed while up was down {waiting}, "
+                               f"stored {stored(up, agent)}, runs exact {runs}")
+
+
 def test_close_with_a_hung_broker_neither_raises_nor_drops(tmp_path: Path):
     """Finding: ``Emitter.close()`` raised KafkaTimeoutError and dropped what was in
     flight. A broker that stops answering (SIGSTOP) while events are in flight: close

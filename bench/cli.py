@@ -28,7 +28,7 @@ class Target:
 TARGETS = (
     Target("processors / raw consumer", "ratio", 1 / 3, True),
     Target("2 workers / 1 worker", "worker_scaling", 1.0, True, "x"),
-    Target("emitter, one process", "emitter_events_per_s", 50_000, True, " ev/s"),
+    Target("emitter, one process, spool on", "emitter_events_per_s", 50_000, True, " ev/s"),
     Target("alert latency p95", "alert_latency_p95_s", 5.0, False, " s"),
     Target("memory per open run", "memory_per_open_run_bytes", 1024, False, " B"),
     Target("stored bytes per event", "stored_bytes_per_event", 60, False, " B"),
@@ -116,7 +116,11 @@ def print_result(result: dict[str, Any]) -> None:
     table.add_column("figure")
     table.add_column("value", justify="right")
     rows = [
-        ("emitter (SDK, one process)", _fmt(result["emitter_events_per_s"], " ev/s")),
+        ("emitter (SDK, one process, spool on)",
+         _fmt(result["emitter_events_per_s"], " ev/s")),
+        ("emitter, spool off (baseline)",
+         _fmt(result["emitter_baseline_events_per_s"], " ev/s")),
+        ("emitter spool on / off", _fmt(result["emitter_spool_ratio"])),
         ("raw consumer (aiokafka + orjson; mean of 2)",
          _fmt(result["raw_consume_events_per_s"], " ev/s")),
         *((f"pipeline, {count} worker{'s' if count != '1' else ''}", _fmt(rate, " ev/s"))

@@ -7,7 +7,12 @@ to the baseline measured in the same run; the machine is shared):
 
 * ``emitter_events_per_s``: N generated events (``loopwatch.scenarios.traffic``, a
   three-agent fleet in simulated time, sorted by event time) emitted from this process
-  with ``Emitter.emit`` + ``flush``: first emit to last broker ack (generation excluded).
+  with ``Emitter.emit`` + ``flush``: first emit to last broker ack (generation excluded),
+  with the spool on as for the embedded broker: every sender batch written ahead to the
+  spool with one fsync before it is sent (to a topic of its own, ``SPOOL_TOPIC``; no
+  group confirms it, so the figure is emit + write-ahead + ack).
+  ``emitter_baseline_events_per_s``: the same events just before, spool off (a Kafka
+  cluster's mode: the broker's ack is enough), and ``emitter_spool_ratio`` on / off.
 * ``raw_consume_events_per_s``: aiokafka, no group, all partitions assigned, seek to
   beginning, ``orjson.loads`` of every message and its envelope: first fetched batch to
   the N-th event. Measured twice, before the 1-worker run and after it (once its ``up``
@@ -56,6 +61,7 @@ import itertools
 import math
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -98,13 +104,16 @@ FLEET: tuple[Agent, ...] = (
           steps=(3, 7), behaviour=Behaviour(cache_works=False, tool_error_share=0.01)),
 )
 KEYS = ("events", "pipeline_events_per_s", "raw_consume_events_per_s", "ratio",
-        "emitter_events_per_s", "alert_latency_p50_s", "alert_latency_p95_s",
+        "emitter_events_per_s", "emitter_baseline_events_per_s", "emitter_spool_ratio",
+        "alert_latency_p50_s", "alert_latency_p95_s",
         "processor_peak_rss_mb", "memory_per_open_run_bytes", "stored_bytes_per_event",
         "query_latency_s", "workers", "machine", "cpu_budget", "raw_consume_bracket")
 POLL_S = 0.25
 #: batches of new open runs for the memory figure (the first pays one-time allocations)
 MEMORY_ROUNDS = 5
 BASE_ENV = {"LOOPWATCH_OTLP_PORT": "0"}
+#: the spool-on emitter run's topic: its events are not processed
+SPOOL_TOPIC = "bench.emitter-spool"
 #: the throughput runs: no detector pass inside the window (see the module docstring)
 THROUGHPUT_ENV = {"LOOPWATCH_DETECT_INTERVAL_S": "3600"}
 
@@ -386,9 +395,16 @@ def _pid(up: UpProcess) -> int:
 
 # -- producer and raw consumer ------------------------------------------------------------
 
-def emit_all(bootstrap: str, events: list[EventBase], spool: Path) -> tuple[float, int]:
-    """Emit through the SDK from this thread; (events/s, events acknowledged)."""
-    with Emitter(bootstrap, spool_dir=spool) as emitter:
+def emit_all(bootstrap: str, events: list[EventBase], spool: Path,
+             topic: str = "loopwatch.events", write_ahead: bool = False) -> tuple[float, int]:
+    """Emit through the SDK from this thread; (events/s, events acknowledged).
+    ``write_ahead``: the embedded broker's mode, every batch written to the spool (one
+    fsync) before it is sent; a group that never commits, so it all stays there."""
+    mode: dict[str, Any] = ({"confirm": "pipeline", "consumer_group": "bench-no-commits",
+                             "spool_max_bytes": 1 << 40} if write_ahead
+                            else {"confirm": "broker"})
+    emitter = Emitter(bootstrap, topic, spool_dir=spool, **mode)
+    try:
         started = time.monotonic()
         for event in events:
             emitter.emit(event)
@@ -397,7 +413,12 @@ def emit_all(bootstrap: str, events: list[EventBase], spool: Path) -> tuple[floa
         elapsed = time.monotonic() - started
         if emitter.stats.spooled:
             raise RuntimeError(f"{emitter.stats.spooled} events were spooled, not sent")
+        if write_ahead and emitter.stats.logged != emitter.stats.sent:
+            raise RuntimeError(f"{emitter.stats.logged} of {emitter.stats.sent} events "
+                               "were written ahead")
         return emitter.stats.sent / elapsed, emitter.stats.sent
+    finally:
+        emitter.close(confirm_timeout_s=0)
 
 
 async def _raw_consume(bootstrap: str, topic: str, expected: int, timeout_s: float) -> float:
@@ -712,7 +733,7 @@ def open_run_memory(emitter: Emitter, runs: int, rounds: int,
             for index in range(0, runs, 5000):
                 emitter.send_and_wait(starts[index:index + 5000], timeout_s=60)
             for _process_id, group in processes.values():
-                _wait_lag_zero(emitter.bootstrap, group, emitter.topic)
+                _wait_lag_zero(emitter.bootstrap or "", group, emitter.topic)
         time.sleep(3.0)  # let the batch's rows and changelog writes settle
         for name, (pid, _group) in processes.items():
             rss = _proc_status(pid, "VmRSS")
@@ -802,10 +823,19 @@ def run_bench(events: int, workers: int, query_events: int,
             generated = generate_events(events, seed=7, end=datetime.now(UTC)
                                         - timedelta(minutes=1))
             progress("emitting through the SDK")
-            result["emitter_events_per_s"], sent = emit_all(bootstrap, generated, root / "spool")
+            result["emitter_baseline_events_per_s"], sent = emit_all(
+                bootstrap, generated, root / "spool")
+            progress("emitting through the SDK, spool on")
+            ensure_topics(bootstrap, settings.model_copy(update={"events_topic": SPOOL_TOPIC}))
+            result["emitter_events_per_s"], _ = emit_all(
+                bootstrap, generated, root / "spool-on", SPOOL_TOPIC, write_ahead=True)
+            result["emitter_spool_ratio"] = (result["emitter_events_per_s"]
+                                             / result["emitter_baseline_events_per_s"])
+            shutil.rmtree(root / "spool-on", ignore_errors=True)
             del generated
             result["events"] = sent
-            progress(f"emitter: {result['emitter_events_per_s']:.0f} events/s; raw consumer")
+            progress(f"emitter: {result['emitter_events_per_s']:.0f} events/s spool on, "
+                     f"{result['emitter_baseline_events_per_s']:.0f} off; raw consumer")
             raw_before = raw_consume(bootstrap, topic, sent)
             progress(f"raw consumer: {raw_before:.0f} events/s")
 

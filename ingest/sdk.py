@@ -1,8 +1,10 @@
 """The emitter SDK: what an agent calls.
 
-Usage (``bootstrap`` is what ``loopwatch up`` prints)::
+Usage: with no address the emitter finds ``loopwatch up``'s embedded broker from the
+data dir (``<data_dir>/broker.json``; ``data_dir=`` or ``LOOPWATCH_DATA_DIR``), or give
+a Kafka bootstrap (``host:port[,...]``)::
 
-    with Emitter(bootstrap) as emitter:
+    with Emitter() as emitter:
         with emitter.run(agent="support", task_type="refund", model="gpt-4o") as run:
             run.step()
             run.llm_call(input_tokens=1200, output_tokens=80, cache_read_input_tokens=1000)
@@ -14,8 +16,27 @@ raises ``pydantic.ValidationError`` there), queued, and sent by a background thr
 with kafka-python, so the agent's loop never waits on the network. Events for one
 partition travel together in an envelope (the partition is chosen from ``run_id``, so
 a run's events stay ordered): up to ``max_batch`` events of a partition, gathered for
-up to ``linger_s``. When the broker cannot take them they go to a bounded
-on-disk spool and are resent later; ``event_id`` makes a resend harmless.
+up to ``linger_s``. Every accepted event has room reserved in a bounded on-disk spool
+(:mod:`ingest.spool`); when the spool is full, ``emit`` raises :class:`SpoolFull` and
+the event is counted in ``stats.refused``, never dropped later. ``event_id`` makes
+every resend harmless downstream.
+
+- The embedded broker (``confirm="auto"`` when the address is the data dir's broker,
+  or ``confirm="pipeline"``) keeps everything in memory, so its acknowledgement is not
+  enough: each batch is written ahead to the spool (one fsync) and kept until the
+  processors' consumer group committed past it (:mod:`ingest.confirm`). When the
+  broker was restarted (a new incarnation in broker.json, or committed offsets that
+  went back) everything not yet confirmed is sent again.
+- A Kafka cluster (``acks=all``, replication; ``confirm="broker"``, or ``auto`` with an
+  address no broker.json announces): the acknowledgement is enough, and only what the
+  broker cannot take is spooled and resent.
+
+``flush()`` waits for the broker's acknowledgement (or the spool, while the broker is
+unreachable); ``flush(confirmed=True)`` / ``wait_confirmed()`` for the pipeline's
+commit. ``close()`` never raises for the broker and never drops: what is unconfirmed
+stays spooled, and the next emitter on that spool resends it; emitters on the default
+spool folder (``<data_dir>/spool/<spool_name>``, held with ``flock``) adopt the folders
+of emitters that exited.
 
 Capture (docs/capture.md): ``llm_call(prompt=..., response=...)`` and
 ``tool_call(tool, args=..., output=...)`` also record the bodies. They are redacted,
@@ -42,14 +63,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 import orjson
 from kafka import KafkaProducer
 from kafka.errors import KafkaError
 from kafka.partitioner.default import murmur2
+from kafka.producer.future import RecordMetadata
 
+from ingest.announce import BrokerAnnouncement, default_data_dir, read_announcement
 from ingest.capture import CaptureMessage, Redact, build_capture_message, part_hash
+from ingest.confirm import Confirmations, Tracked
 from ingest.events import (
     Annotation,
     EventBase,
@@ -63,7 +87,7 @@ from ingest.events import (
 )
 from ingest.handoff import Handoff
 from ingest.redact import Redactor
-from ingest.spool import DiskSpool
+from ingest.spool import DiskSpool, SpoolFull, open_spool
 from ingest.wire import ENVELOPE_OVERHEAD_BYTES, envelope_chunks, exact_json, message_value
 
 #: the Emitter's defaults: events per message (one envelope), and bytes per message
@@ -90,6 +114,11 @@ def free_text_fields(kind: type[EventBase]) -> tuple[str, ...]:
 CAPTURE_MODES = ("off", "failures", "all")
 #: A spooled capture message is ``@<topic> <message>``: no event line starts with ``@``.
 SPOOL_TOPIC_MARK = b"@"
+#: a resend round hands kafka-python at most this many bytes (a quarter of its default
+#: 32 MiB buffer, which would otherwise block the sender thread once full), and the next
+#: round starts only once the last one settled: an outage costs one round per delivery
+#: timeout, not the whole spool every 2 s
+RESEND_ROUND_BYTES = 8 << 20
 
 
 @functools.lru_cache(maxsize=65536)
@@ -105,12 +134,21 @@ class ToolTimeout(TimeoutError):
 
 @dataclass
 class EmitterStats:
+    """Counters of one emitter. ``spooled``: records put aside for a resend because a
+    send failed or could not start; ``logged``: records written ahead to the spool
+    (embedded broker: everything sent); ``confirmed``: records the pipeline's group
+    committed past (embedded broker); ``refused``: events refused at the call because
+    the spool was full; ``resent``: records sent again from the spool."""
+
     queued: int = 0
     sent: int = 0
     messages: int = 0
     spooled: int = 0
     resent: int = 0
     send_errors: int = 0
+    logged: int = 0
+    confirmed: int = 0
+    refused: int = 0
     event_bytes: int = 0
     captures: int = 0
     capture_bytes: int = 0
@@ -138,6 +176,10 @@ class Outgoing:
         if self.message is None:
             return self.value
         return self.message.__pydantic_serializer__.to_json(self.message)
+
+    def spool_line(self) -> bytes:
+        """``@<topic> <message>``: how the spool keeps it (``value`` is whole when set)."""
+        return SPOOL_TOPIC_MARK + self.topic.encode() + b" " + (self.value or self.whole())
 
 
 class DeliveredBlobs:
@@ -169,6 +211,11 @@ class DeliveredBlobs:
             while len(self._acked) > self._max_entries:
                 del self._acked[next(iter(self._acked))]
 
+    def clear(self) -> None:
+        """Forget every body: the broker that acknowledged them lost them."""
+        with self._lock:
+            self._acked.clear()
+
     def __contains__(self, digest: object) -> bool:
         acked = self._acked.get(digest) if isinstance(digest, str) else None
         return acked is not None and self._clock() - acked < self._resend_s
@@ -179,11 +226,17 @@ class Emitter:
 
     def __init__(
         self,
-        bootstrap: str,
+        bootstrap: str | None = None,
         topic: str = "loopwatch.events",
         spool_dir: Path | None = None,
         *,
+        data_dir: Path | None = None,
+        confirm: Literal["auto", "pipeline", "broker"] = "auto",
+        consumer_group: str | None = None,
+        confirm_interval_s: float = 1.0,
+        spool_name: str = "emitter",
         spool_max_bytes: int = 256 * 1024 * 1024,
+        spool_segment_bytes: int = 1 << 20,
         max_batch: int = MAX_BATCH,
         linger_s: float = 0.02,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
@@ -195,17 +248,35 @@ class Emitter:
     ) -> None:
         if capture not in CAPTURE_MODES:
             raise ValueError(f"capture must be one of {', '.join(CAPTURE_MODES)}: {capture!r}")
-        self.bootstrap = bootstrap
+        if confirm not in ("auto", "pipeline", "broker"):
+            raise ValueError(f"confirm must be auto, pipeline or broker: {confirm!r}")
+        self.data_dir = Path(data_dir).expanduser() if data_dir else default_data_dir()
+        announced = read_announcement(self.data_dir)
+        #: the embedded broker of ``data_dir``: found (and followed) through broker.json
+        self.embedded = bootstrap is None or (
+            announced is not None and _same_address(announced.bootstrap, bootstrap))
+        self.bootstrap = bootstrap if bootstrap is not None else (
+            announced.bootstrap if announced else None)
         self.topic = topic
+        self.confirming = confirm == "pipeline" or (
+            confirm == "auto" and self.embedded
+            and (announced is None or announced.events_topic == topic))
+        self._group = consumer_group
+        if self.confirming and not self.embedded and consumer_group is None:
+            raise ValueError("confirm='pipeline' with a bootstrap that no broker.json "
+                             "announces needs consumer_group=")
         self.capture = capture
         self.redactor: Redact = redactor if redactor is not None else Redactor()
         self.captures_topic = captures_topic
         self.max_part_bytes = max_part_bytes
         self.stats = EmitterStats()
-        self.spool = DiskSpool(
-            spool_dir or Path.home() / ".local/share/loopwatch/spool" / uuid.uuid4().hex,
-            spool_max_bytes,
-        )
+        self._own_spool_dir = spool_dir is None
+        if spool_dir is None:
+            self.spool = open_spool(self.data_dir / "spool", spool_name, spool_max_bytes,
+                                    topic=topic, segment_bytes=spool_segment_bytes)
+        else:
+            self.spool = DiskSpool(Path(spool_dir), spool_max_bytes, topic=topic,
+                                   segment_bytes=spool_segment_bytes)
         self._max_batch = max_batch
         self._linger_s = linger_s
         self._max_message_bytes = max_message_bytes
@@ -216,6 +287,11 @@ class Emitter:
             "bootstrap_timeout_ms": 2000,
             "retries": 5,
             "request_timeout_ms": 10_000,
+            "delivery_timeout_ms": 30_000,
+            # kafka-python 3's idempotent producer never recovers from a broker that lost
+            # its producer ids (a restarted embedded broker): UnknownProducerIdError, then
+            # every InitProducerId fails. Duplicates are harmless here (event_id).
+            "enable_idempotence": False,
             **(producer_config or {}),
         }
         self._queue: Handoff[Queued | Outgoing] = Handoff()
@@ -224,12 +300,41 @@ class Emitter:
         self._topic_partitions: dict[str, tuple[int | None, float]] = {}
         self._outstanding = 0
         self._outstanding_lock = threading.Lock()
+        #: messages whose records are only in memory (not spooled), until settled
+        self._in_memory: dict[int, Tracked] = {}
         self._closed = False
         self._late_calls = ThreadPoolExecutor(max_workers=32, thread_name_prefix="tool")
         self._next_resend = 0.0
+        #: messages of the last resend round not yet settled (the next waits for them)
+        self._resending = 0
+        self._resend_all = threading.Event()
         self.delivered_blobs = DeliveredBlobs()
+        self.confirmations: Confirmations | None = None
+        if self.confirming:
+            self.confirmations = Confirmations(
+                self.spool, lambda: self.bootstrap, self._consumer_group,
+                self._incarnation, self._lost, confirm_interval_s)
+            self.confirmations.start()
         self._thread = threading.Thread(target=self._run, name="loopwatch-emitter", daemon=True)
         self._thread.start()
+
+    def _announcement(self) -> BrokerAnnouncement | None:
+        return read_announcement(self.data_dir) if self.embedded else None
+
+    def _incarnation(self) -> str | None:
+        announced = self._announcement()
+        return announced.incarnation if announced else None
+
+    def _consumer_group(self) -> str | None:
+        if self._group is None:
+            announced = self._announcement()
+            return announced.consumer_group if announced else None
+        return self._group
+
+    def _lost(self, reason: str) -> None:
+        """The broker lost what it held (see :mod:`ingest.confirm`): the sender resends."""
+        self._resend_all.set()
+        self._queue.wake()
 
     # -- public API ---------------------------------------------------------------
 
@@ -281,10 +386,18 @@ class Emitter:
             return
         if self._closed:
             raise RuntimeError("emitter is closed")
+        item = Outgoing(self.captures_topic, message.run_id,
+                        message.__pydantic_serializer__.to_json(message), message)
+        try:  # bodies may take half the spool: the other half is kept for events
+            self.spool.reserve(len(item.spool_line()) + 1, limit=self.spool.max_bytes // 2)
+        except SpoolFull:
+            self.stats.captures_dropped += 1
+            log.warning("spool half full: capture message of run %s dropped", message.run_id)
+            return
         with self._outstanding_lock:
             self._outstanding += 1
         self.stats.captures += 1
-        self._queue.put(Outgoing(self.captures_topic, message.run_id, b"", message))
+        self._queue.put(item)
 
     def emit_raw(self, lines: list[bytes]) -> None:
         """Queue already-encoded events (used by ``dlq replay`` and importers).
@@ -357,18 +470,27 @@ class Emitter:
             self.stats.captures_sent += int(count == 0)
 
     def _enqueue(self, items: list[Queued]) -> None:
-        """Refuse an event that could never be sent (over a message), then queue all."""
+        """Refuse an event that could never be sent (over a message) or that the spool
+        has no room for (:class:`SpoolFull`, counted in ``stats.refused``), then queue
+        all. Room is reserved here, at the call, so that an accepted event can always be
+        written to the spool if it has to be: it is refused now rather than lost later."""
         limit = self._max_message_bytes - ENVELOPE_OVERHEAD_BYTES
         for _, line in items:
             if len(line) > limit:
                 raise ValueError(f"event of {len(line)} bytes is over the {limit}-byte limit "
                                  "of one message; capture large bodies with prompt=/"
                                  "response=/args=/output= instead")
+        size = sum(len(line) + 1 for _, line in items)
+        try:
+            self.spool.reserve(size)
+        except SpoolFull:
+            self.stats.refused += len(items)
+            raise
         with self._outstanding_lock:
             self._outstanding += len(items)
         self.stats.queued += len(items)
+        self.stats.event_bytes += size - len(items)
         for item in items:
-            self.stats.event_bytes += len(item[1])
             self._queue.put(item)
 
     @contextmanager
@@ -392,14 +514,27 @@ class Emitter:
     def annotate(self, kind: str, **fields: Any) -> None:
         self.emit(Annotation(kind=kind, **fields))
 
-    def flush(self, timeout_s: float = 30.0) -> bool:
-        """Wait until everything queued has been acknowledged by the broker or spooled."""
+    def flush(self, timeout_s: float = 30.0, *, confirmed: bool = False) -> bool:
+        """Wait until everything accepted so far is acknowledged by the broker, or (the
+        broker unreachable) in the spool to be resent; False after ``timeout_s``.
+
+        With the embedded broker an acknowledgement is not the end: the broker keeps
+        it in memory, and the spool keeps every record until the pipeline committed
+        past it, resending it to a restarted broker. ``confirmed=True`` waits for that
+        too (:meth:`wait_confirmed`): nothing accepted is left anywhere but in the
+        store. With a Kafka cluster (``confirm="broker"``) it waits, besides, until
+        nothing waits in the spool for a resend.
+        """
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.outstanding == 0:
+            if self.outstanding == 0 and (not confirmed or self.unconfirmed == 0):
                 return True
             time.sleep(0.01)
         return False
+
+    def wait_confirmed(self, timeout_s: float = 60.0) -> bool:
+        """``flush(confirmed=True)``: every accepted event stored by the pipeline."""
+        return self.flush(timeout_s, confirmed=True)
 
     @property
     def outstanding(self) -> int:
@@ -407,44 +542,62 @@ class Emitter:
         with self._outstanding_lock:
             return self._outstanding
 
+    @property
+    def unconfirmed(self) -> int:
+        """Records accepted and not yet confirmed: in flight, or kept in the spool."""
+        return self.outstanding + self.spool.unconfirmed()
+
     def resend_spooled(self) -> int:
-        """Try to send what the spool holds now; returns how many messages were re-queued
-        (events, and capture messages, which go back to the topic they were bound for)."""
-        lines = self.spool.take()
-        self.stats.resent += len(lines)
-        self._requeue([line for line in lines if not line.startswith(SPOOL_TOPIC_MARK)])
-        for line in lines:
-            if line.startswith(SPOOL_TOPIC_MARK):
-                topic, _, value = line[1:].partition(b" ")
-                with self._outstanding_lock:
-                    self._outstanding += 1
-                self._queue.put(Outgoing(topic.decode("utf-8", "replace"), run_id_of(value),
-                                         value))
-        return len(lines)
+        """Mark everything the spool holds for a resend now; returns the records marked
+        (the sender thread sends them: events, and capture messages, which go back to
+        the topic they were bound for)."""
+        self.spool.mark_all_resend()
+        self._next_resend = 0.0
+        self._queue.wake()
+        return self.spool.unconfirmed()
 
-    def _requeue(self, lines: list[bytes]) -> None:
-        """Queue spooled events as they are. A line that is not an event (torn by a
-        crash mid-write) goes too, for the processors to dead-letter with its reason;
-        one larger than a message (``max_message_bytes`` lowered since) could never
-        be sent, and is dropped, logged and counted in the spool's ``dropped``."""
-        limit = self._max_message_bytes - ENVELOPE_OVERHEAD_BYTES
-        sendable = [line for line in lines if len(line) <= limit]
-        if len(sendable) < len(lines):
-            self.spool.dropped += len(lines) - len(sendable)
-            log.error("%d spooled events over the %d-byte message limit dropped",
-                      len(lines) - len(sendable), limit)
-        self._enqueue([(partition_key(line), line) for line in sendable])
-
-    def close(self, timeout_s: float = 30.0) -> None:
+    def close(self, timeout_s: float = 30.0, confirm_timeout_s: float = 10.0) -> None:
+        """Send what is queued (up to ``timeout_s``), wait up to ``confirm_timeout_s``
+        for the pipeline to confirm it (embedded broker), then stop. Never raises for
+        the broker and never drops: what is not confirmed stays in the spool, and the
+        next emitter on this spool (or, for the default spool folder, any emitter that
+        starts under the same data dir) sends it again."""
         if self._closed:
             return
         self._late_calls.shutdown(wait=True, cancel_futures=False)
         self.flush(timeout_s)
+        if self.confirming and confirm_timeout_s > 0:
+            self.flush(confirm_timeout_s, confirmed=True)
         self._closed = True
         self._queue.wake()
         self._thread.join(timeout_s)
-        if self._producer is not None:
-            self._producer.close(timeout=5)
+        if self.confirmations is not None:
+            self.confirmations.stop()
+        self._close_producer()
+        leftover = self._queue.take(len(self._queue))
+        if leftover:
+            self._spool_unsent(leftover)
+        with self._outstanding_lock:
+            unsettled = list(self._in_memory.values())
+            self._in_memory.clear()
+        for tracked in unsettled:
+            self._spool_tracked(tracked)
+        self.spool.close(remove_if_empty=self._own_spool_dir)
+
+    def _close_producer(self) -> None:
+        """Close kafka-python's producer without its ``KafkaTimeoutError``: what it
+        still holds fails (and is spooled) instead."""
+        producer, self._producer = self._producer, None
+        if producer is None:
+            return
+        try:
+            producer.close(timeout=5)
+        except KafkaError as exc:
+            log.warning("the producer did not drain (%s); spooling what it held", exc)
+            sender = getattr(producer, "_sender", None)
+            if sender is not None and sender.is_alive():
+                sender.force_close()
+                sender.join(5)
 
     def __enter__(self) -> Emitter:
         return self
@@ -462,6 +615,11 @@ class Emitter:
     def _connect(self) -> bool:
         if self._producer is not None and self._partitions:
             return True
+        if self.bootstrap is None:  # the embedded broker: found through broker.json
+            announced = self._announcement()
+            if announced is None:
+                return False
+            self.bootstrap = announced.bootstrap
         try:
             if self._producer is None:
                 self._producer = KafkaProducer(
@@ -494,81 +652,230 @@ class Emitter:
                     break
                 batch.append(item)
             try:
+                self._maybe_resend()
                 if batch:
                     self._send(batch)
-                self._maybe_resend()
             except Exception:  # the thread must outlive it: nothing else sends
                 log.exception("the emitter's sender failed; spooling the batch")
                 self.stats.send_errors += 1
                 self._spool_unsent(batch)
 
     def _spool_unsent(self, batch: list[Queued | Outgoing]) -> None:
-        """After an unexpected failure, spool the whole batch: some of it may have been
-        sent, and a resend is harmless (``event_id`` deduplicates)."""
+        """After an unexpected failure, spool the whole batch for a resend: some of it
+        may have been sent, and a resend is harmless (``event_id`` deduplicates)."""
+        lines = [item.spool_line() if isinstance(item, Outgoing) else item[1]
+                 for item in batch]
         try:
-            self._to_spool([item[1] for item in batch if not isinstance(item, Outgoing)])
-            self._spool_outgoing([item for item in batch if isinstance(item, Outgoing)])
+            self._to_spool(lines, sum(len(line) + 1 for line in lines))
         except Exception:
             log.exception("could not spool %d items after a sender failure", len(batch))
+        self._settled(len(batch))
 
     def _maybe_resend(self) -> None:
+        """Send again what the spool holds for a resend (every 2 s while it fails), all
+        of it once the broker lost what it held."""
+        if self._resend_all.is_set():
+            self._resend_all.clear()
+            self.spool.mark_all_resend()
+            self.delivered_blobs.clear()
+            self._follow_broker()
+            self._next_resend = 0.0
         now = time.monotonic()
-        if now < self._next_resend or self.spool.size() == 0:
+        if now < self._next_resend or self._resending or not self.spool.pending_resend():
             return
         self._next_resend = now + 2.0
-        if self._connect():
-            self.resend_spooled()
+        if not self._connect():
+            return
+        handed = 0
+        for seq, generation, lines in self.spool.take_resend():
+            handed += sum(len(line) for line in lines)
+            events, outgoing = self._resendable(lines)
+            unsendable = len(lines) - len(events) - len(outgoing)
+            if unsendable:
+                self.spool.dropped += unsendable
+                self.spool.confirm(seq, generation, unsendable)
+            self.stats.resent += len(events) + len(outgoing)
+            with self._outstanding_lock:
+                self._outstanding += len(events) + len(outgoing)
+            try:
+                self._dispatch(events, outgoing, seq, generation, resend=True)
+            except Exception:
+                self.spool.mark_resend(seq, generation)  # sent again, whole, next round
+                raise
+            if handed >= RESEND_ROUND_BYTES:
+                break
+
+    def _resendable(self, lines: list[bytes]) -> tuple[list[Queued], list[Outgoing]]:
+        """Spool records as events and capture messages to send. A line that is not an
+        event (torn by a crash) goes too, for the processors to dead-letter with its
+        reason. Left out, logged (and counted in the spool's ``dropped`` by the caller):
+        a record larger than a message (``max_message_bytes`` lowered since), which
+        could never be sent, and a capture bound for a topic other than this emitter's
+        captures topic (a record planted or damaged: it must not pick the topic)."""
+        limit = self._max_message_bytes - ENVELOPE_OVERHEAD_BYTES
+        events: list[Queued] = []
+        outgoing: list[Outgoing] = []
+        oversized = foreign = 0
+        for line in lines:
+            if len(line) > limit:
+                oversized += 1
+            elif line.startswith(SPOOL_TOPIC_MARK):
+                topic, _, value = line[1:].partition(b" ")
+                if topic != self.captures_topic.encode():
+                    foreign += 1
+                    continue
+                outgoing.append(Outgoing(self.captures_topic, run_id_of(value), value))
+            else:
+                events.append((partition_key(line), line))
+        if oversized:
+            log.error("%d spooled events over the %d-byte message limit dropped",
+                      oversized, limit)
+        if foreign:
+            log.error("%d spooled capture messages for another topic dropped", foreign)
+        return events, outgoing
+
+    def _follow_broker(self) -> None:
+        """A restarted broker: connect afresh (to where broker.json says it listens),
+        since the producer's session state (its producer id) died with the old one."""
+        announced = self._announcement()
+        self._close_producer()
+        self._partitions = None
+        self._topic_partitions.clear()
+        if announced is not None:
+            self.bootstrap = announced.bootstrap
 
     def _send(self, batch: list[Queued | Outgoing]) -> None:
+        """Write the batch ahead to the spool (embedded broker: one write, one fsync),
+        then send it."""
         events = [item for item in batch if not isinstance(item, Outgoing)]
         outgoing = [item for item in batch if isinstance(item, Outgoing)]
-        if outgoing:
-            self._send_outgoing(outgoing)
-        if not events:
-            return
+        seq: int | None = None
+        generation = 0
+        if self.confirming:
+            lines = [line for _, line in events] + [item.spool_line() for item in outgoing]
+            segment = self.spool.append(lines, sum(len(line) + 1 for line in lines))
+            seq, generation = segment.seq, segment.generation
+            self.stats.logged += len(lines)
         if not self._connect():
-            self._to_spool([line for _, line in events])
+            if seq is None:
+                self._spool_unsent(batch)
+            else:
+                self.spool.mark_resend(seq, generation)
+                self.stats.spooled += len(batch)
+                self._settled(len(batch))
             return
-        assert self._producer is not None and self._partitions is not None
+        self._dispatch(events, outgoing, seq, generation)
+
+    def _dispatch(self, events: list[Queued], outgoing: list[Outgoing], seq: int | None,
+                  generation: int, resend: bool = False) -> None:
+        """Send events (grouped by partition into envelopes) and capture messages; each
+        Kafka message is tracked, by its spool segment ``seq`` or in memory (None)."""
+        assert self._partitions is not None
+        for item in outgoing:
+            self._send_outgoing(item, self._tracked(1, seq, generation, [item.spool_line()],
+                                                    capture=True, resend=resend))
         groups: dict[int, list[bytes]] = defaultdict(list)
         keys: dict[int, str] = {}
         for key, line in events:
             if key is None:  # not JSON (a spool line torn by a crash): a message alone
-                self._send_message(partition_for("", self._partitions), [line], "")
+                self._send_message(partition_for("", self._partitions), [line], "",
+                                   self._tracked(1, seq, generation, [line], resend=resend))
             else:
                 partition = partition_for(key, self._partitions)
                 groups[partition].append(line)
                 keys.setdefault(partition, key)
         for partition, group in groups.items():
             for chunk in self._chunks(group):
-                self._send_message(partition, chunk, keys[partition])
+                self._send_message(partition, chunk, keys[partition],
+                                   self._tracked(len(chunk), seq, generation, chunk,
+                                                 resend=resend))
+
+    def _tracked(self, records: int, seq: int | None, generation: int, lines: list[bytes],
+                 capture: bool = False, resend: bool = False) -> Tracked:
+        if seq is not None:
+            return Tracked(records, seq, generation, capture=capture, resend=resend)
+        return Tracked(records, lines=lines, reserved=sum(len(line) + 1 for line in lines),
+                       capture=capture)
+
+    def _produce(self, tracked: Tracked, topic: str, value: bytes, key: bytes,
+                 partition: int) -> None:
+        """Send one message; its callbacks settle ``tracked`` (in memory until then)."""
+        assert self._producer is not None
+        self._remember(tracked)
+        try:
+            future = self._producer.send(topic, value=value, key=key, partition=partition)
+        except KafkaError as exc:
+            self._failed(tracked, exc)
+            return
+        except BaseException:
+            self._forget(tracked)
+            with self._outstanding_lock:
+                self._resending -= int(tracked.resend)
+            raise
+        future.add_callback(self._delivered, tracked)
+        future.add_errback(self._failed, tracked)
 
     def _chunks(self, group: list[bytes]) -> Iterator[list[bytes]]:
         return envelope_chunks(group, self._max_batch, self._max_message_bytes)
 
-    def _send_message(self, partition: int, chunk: list[bytes], key: str) -> None:
-        assert self._producer is not None
-        try:
-            future = self._producer.send(self.topic, value=message_value(chunk), key=key.encode(),
-                                         partition=partition)
-        except KafkaError as exc:
-            self.stats.send_errors += 1
-            log.warning("send failed (%s); spooling %d events", exc, len(chunk))
-            self._to_spool(chunk)
-            return
+    def _send_message(self, partition: int, chunk: list[bytes], key: str,
+                      tracked: Tracked) -> None:
+        self._produce(tracked, self.topic, message_value(chunk), key.encode(), partition)
 
-        def delivered(_: Any) -> None:
-            self.stats.sent += len(chunk)
+    def _delivered(self, tracked: Tracked, metadata: RecordMetadata) -> None:
+        """The broker acknowledged a message (kafka-python's I/O thread)."""
+        if tracked.capture:
+            self.delivered_blobs.add(tracked.carried)
+            self.stats.captures_sent += 1
+        else:
+            self.stats.sent += tracked.records
             self.stats.messages += 1
-            self._settled(len(chunk))
+        if tracked.segment is None:
+            if self._forget(tracked):
+                self.spool.release(tracked.reserved)
+        elif self.confirmations is not None:
+            self.confirmations.acked(metadata.topic, metadata.partition, metadata.offset,
+                                     tracked)
+        else:
+            self.spool.confirm(tracked.segment, tracked.generation, tracked.records)
+        self._settled(tracked.records, tracked)
 
-        def failed(exc: BaseException) -> None:
-            self.stats.send_errors += 1
-            log.warning("delivery failed (%s); spooling %d events", exc, len(chunk))
-            self._to_spool(chunk)
+    def _failed(self, tracked: Tracked, exc: BaseException) -> None:
+        """A send failed (at once, or after kafka-python's retries): keep it for a resend."""
+        self.stats.send_errors += 1
+        log.warning("delivery failed (%s); spooling %d records", exc, tracked.records)
+        if tracked.segment is None:
+            if self._forget(tracked):
+                self._spool_tracked(tracked)
+        else:
+            self.spool.mark_resend(tracked.segment, tracked.generation)
+            self.stats.spooled += tracked.records
+        self._settled(tracked.records, tracked)
 
-        future.add_callback(delivered)
-        future.add_errback(failed)
+    def _remember(self, tracked: Tracked) -> None:
+        """A message is about to be sent: track it until its callbacks settle it."""
+        with self._outstanding_lock:
+            if tracked.segment is None:
+                self._in_memory[id(tracked)] = tracked
+            if tracked.resend:
+                self._resending += 1
+
+    def _forget(self, tracked: Tracked) -> bool:
+        """Stop tracking an in-memory message; False if someone else already settled it."""
+        with self._outstanding_lock:
+            return self._in_memory.pop(id(tracked), None) is not None
+
+    def _spool_tracked(self, tracked: Tracked) -> None:
+        assert tracked.lines is not None
+        self._to_spool(tracked.lines, tracked.reserved)
+
+    def _to_spool(self, lines: list[bytes], reserved: int) -> None:
+        """Write records for a resend (their room was reserved at the call)."""
+        if not lines:
+            return
+        segment = self.spool.append(lines, reserved)
+        segment.needs_resend = True
+        self.stats.spooled += len(lines)
 
     def _partitions_of(self, topic: str) -> int | None:
         """Partitions of another topic, remembered; a missing topic is asked again only
@@ -587,73 +894,43 @@ class Emitter:
         self._topic_partitions[topic] = (count, time.monotonic())
         return count
 
-    def _send_outgoing(self, items: list[Outgoing]) -> None:
-        if not self._connect():
-            self._spool_outgoing(items)
-            return
+    def _send_outgoing(self, item: Outgoing, tracked: Tracked) -> None:
+        """Send one capture message, leaving out the bodies the broker already has."""
         assert self._producer is not None
-        for item in items:
-            partitions = self._partitions_of(item.topic)
-            if not partitions:
-                self._spool_outgoing([item])
-                continue
-            carried: list[str] = []
-            value = item.value
-            if item.message is not None:
-                lean = item.message.without(self.delivered_blobs)
-                carried = list(lean.blobs)
-                value = lean.__pydantic_serializer__.to_json(lean)
-            self.stats.capture_bytes += len(value)
-            try:
-                future = self._producer.send(
-                    item.topic, value=value, key=item.run_id.encode(),
-                    partition=partition_for(item.run_id, partitions))
-            except KafkaError as exc:
-                self.stats.send_errors += 1
-                log.warning("send to %s failed (%s); spooling", item.topic, exc)
-                self._spool_outgoing([item])
-                continue
-            future.add_callback(self._delivered_outgoing, carried)
-            future.add_errback(self._failed_outgoing, item)
+        partitions = self._partitions_of(item.topic)
+        if not partitions:
+            self._remember(tracked)
+            self._failed(tracked, KafkaError(f"topic {item.topic} has no partitions"))
+            return
+        value = item.value
+        if item.message is not None:
+            lean = item.message.without(self.delivered_blobs)
+            tracked.carried = tuple(lean.blobs)
+            value = lean.__pydantic_serializer__.to_json(lean)
+        self.stats.capture_bytes += len(value)
+        self._produce(tracked, item.topic, value, item.run_id.encode(),
+                      partition_for(item.run_id, partitions))
 
-    def _delivered_outgoing(self, carried: list[str], _: Any) -> None:
-        """Acknowledged: its bodies need not travel again for a while."""
-        self.delivered_blobs.add(carried)
-        self.stats.captures_sent += 1
-        self._settled(1)
-
-    def _failed_outgoing(self, exc: BaseException, item: Outgoing) -> None:
-        self.stats.send_errors += 1
-        log.warning("delivery to %s failed (%s); spooling", item.topic, exc)
-        self._spool_outgoing([item])
-
-    def _spool_outgoing(self, items: list[Outgoing]) -> None:
-        """Spool capture messages while the spool is under half full: the other half is
-        kept for events, which matter more than bodies."""
-        for item in items:
-            line = SPOOL_TOPIC_MARK + item.topic.encode() + b" " + item.whole()
-            kept = 0
-            if self.spool.size() + len(line) < self.spool.max_bytes // 2:
-                kept = self.spool.append([line])
-            self.stats.spooled += kept
-            if not kept:
-                self.stats.captures_dropped += 1
-                log.warning("spool half full: capture message of run %s dropped", item.run_id)
-            self._settled(1)
-
-    def _settled(self, events: int) -> None:
+    def _settled(self, events: int, tracked: Tracked | None = None) -> None:
         with self._outstanding_lock:
             self._outstanding -= events
-
-    def _to_spool(self, lines: list[bytes]) -> None:
-        kept = self.spool.append(lines)
-        self._settled(len(lines))
-        self.stats.spooled += kept
-        if kept < len(lines):
-            log.error("spool full: %d events dropped", len(lines) - kept)
+            if tracked is not None and tracked.resend:
+                self._resending -= 1
 
     def _run_late(self, fn: Callable[[], T]) -> Future[T]:
         return self._late_calls.submit(fn)
+
+
+def _same_address(announced: str, bootstrap: str) -> bool:
+    """Whether ``bootstrap`` names the announced broker (``localhost`` is 127.0.0.1).
+
+    >>> _same_address("127.0.0.1:9092", "localhost:9092"), _same_address("a:1", "a:2")
+    (True, False)
+    """
+    def norm(address: str) -> set[str]:
+        return {part.strip().replace("localhost:", "127.0.0.1:")
+                for part in address.split(",") if part.strip()}
+    return bool(norm(bootstrap)) and norm(bootstrap) <= norm(announced)
 
 
 def partition_key(line: bytes) -> str | None:

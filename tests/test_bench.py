@@ -16,6 +16,7 @@ from bench.cli import register
 from bench.pipeline import KEYS
 
 FLOATS = ("pipeline_events_per_s", "raw_consume_events_per_s", "ratio", "emitter_events_per_s",
+          "emitter_baseline_events_per_s", "emitter_spool_ratio",
           "alert_latency_p50_s", "alert_latency_p95_s", "processor_peak_rss_mb",
           "memory_per_open_run_bytes", "stored_bytes_per_event")
 
@@ -39,8 +40,11 @@ def test_bench_smoke() -> None:
     for key in FLOATS:
         assert figures[key] is None or isinstance(figures[key], float), key
     for key in ("pipeline_events_per_s", "raw_consume_events_per_s", "ratio",
-                "emitter_events_per_s", "processor_peak_rss_mb", "stored_bytes_per_event"):
+                "emitter_events_per_s", "emitter_baseline_events_per_s",
+                "processor_peak_rss_mb", "stored_bytes_per_event"):
         assert figures[key] > 0, key
+    assert figures["emitter_spool_ratio"] == (
+        figures["emitter_events_per_s"] / figures["emitter_baseline_events_per_s"])
     assert isinstance(figures["query_latency_s"], dict) and figures["query_latency_s"]
     assert all(isinstance(value, float) and value > 0
                for value in figures["query_latency_s"].values())

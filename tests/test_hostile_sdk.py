@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from kafka import KafkaProducer
 from pydantic import ValidationError
 
+from ingest.events import Step
 from ingest.sdk import Emitter
 from tests.conftest import scalar, stored_events, wait_for, wait_stored
 from tests.test_hostile_pipeline import ODD_STRINGS, json_values, nested
@@ -190,3 +191,53 @@ def test_raw_garbage_on_the_topic_is_dead_lettered_with_reasons_and_a_good_run_i
     assert_good_run(reader, agent)
     TRIED["raw garbage messages"] = RAW_GARBAGE_MESSAGES
     TRIED.update({f"dead letters '{kind[:30]}'": n for kind, n in reasons})
+
+
+# -- hostile files: what a starting emitter finds in spool folders ------------------------
+
+def test_hostile_spool_folders_are_sent_on_as_dead_letters_or_refused_never_followed(
+        broker, pipeline, reader, agent: str, tmp_path: Path):
+    """A starting emitter adopts the spool folders of exited emitters under its data dir.
+    What it finds there is input like any other: garbage lines are sent on and come back
+    as dead letters with their reasons; a capture record naming a topic of its choosing
+    is dropped and counted (a record must not pick its topic); a segment that is a
+    symlink (to a file holding a secret) is never read, so the secret goes nowhere; a
+    folder that is a symlink is not adopted. The good events around them are stored."""
+    root = tmp_path / "data" / "spool"
+    root.mkdir(parents=True)
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b'{"run_id":"leak","secret":"' + agent.encode() + b'-SECRET"}\n')
+    marker = f"{agent}-garbage"
+    good = Step(run_id=f"{agent}-run", agent=agent, step=0).model_dump_json().encode()
+    orphan = root / "exited"
+    orphan.mkdir()
+    (orphan / "seg-000000000000.log").write_bytes(b"\n".join([
+        good,
+        marker.encode() + b"\xff\xfe not json",
+        b'{"event_type": "step", "run_id": "' + marker.encode() + b'", "step": "x"}',
+        b"@attacker.topic " + marker.encode(),
+        b"@",
+    ]) + b"\n")
+    (orphan / "seg-000000000001.log").symlink_to(secret)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "seg-000000000000.log").write_bytes(secret.read_bytes())
+    (root / "linked").symlink_to(elsewhere, target_is_directory=True)
+    with Emitter(broker.bootstrap, data_dir=tmp_path / "data",
+                 max_message_bytes=100_000) as emitter:
+        wait_for(lambda: emitter.stats.resent >= 3 and emitter.spool.unconfirmed() == 0,
+                 60, what="the adopted records to be resent")
+        assert emitter.spool.dropped == 2  # the two capture records naming a topic
+        emitter.emit(Step(run_id=f"{agent}-run", agent=agent, step=1))
+    # what was adopted is gone; the planted link is left as it was, never followed
+    assert [path.name for path in orphan.iterdir()] == ["seg-000000000001.log"]
+    assert (orphan / "seg-000000000001.log").is_symlink() and (root / "linked").is_symlink()
+    assert (elsewhere / "seg-000000000000.log").read_bytes() == secret.read_bytes()
+    wait_stored(reader, agent, 2)
+    sql = ("SELECT count() FROM dead_letters FINAL WHERE position(payload, {m:String}) > 0")
+    wait_for(lambda: scalar(reader, sql, m=marker) >= 2, 90, what="the garbage dead-lettered")
+    assert scalar(reader, sql, m=marker) == 2
+    assert scalar(reader, sql, m=f"{agent}-SECRET") == 0
+    assert scalar(reader, "SELECT count() FROM events FINAL WHERE run_id = 'leak' "
+                          "AND position(payload, {m:String}) > 0", m=agent) == 0
+    assert stored_events(reader, agent) == 2

@@ -189,11 +189,11 @@ def test_an_unexpected_failure_in_the_sender_spools_its_batch_and_sending_goes_o
         send_message = emitter._send_message
         failures: list[int] = []
 
-        def fail_once(partition: int, chunk: list[bytes], key: str) -> None:
+        def fail_once(partition: int, chunk: list[bytes], key: str, tracked: Any) -> None:
             if not failures:
                 failures.append(len(chunk))
                 raise RuntimeError("injected: a failure nobody foresaw")
-            send_message(partition, chunk, key)
+            send_message(partition, chunk, key, tracked)
 
         monkeypatch.setattr(emitter, "_send_message", fail_once)
         for step in (1, 2, 3):
@@ -324,7 +324,7 @@ def test_capture_messages_spool_with_their_topic_and_are_resent(tmp_path: Path):
     with emitter.run(agent="a") as run:
         run.tool_call("lookup", args={"id": 7}, output=["row 1"])
     assert emitter.flush(30)
-    spooled = emitter.spool.path.read_bytes().splitlines()
+    spooled = emitter.spool.records()
     assert [line.split(b" ", 1)[0] for line in spooled if line.startswith(b"@")] == [
         b"@spooled.captures"]
     assert emitter.stats.spooled == 4

@@ -1,0 +1,220 @@
+"""The emitter's spool (ingest/spool.py) on its own: no broker, real files, real flock.
+
+Batching (one fsync per batch), a line torn by a crash, refusal when full, exclusivity
+between live emitters, adoption of what exited emitters left, private modes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ingest.events import Step
+from ingest.sdk import Emitter
+from ingest.spool import DiskSpool, SpoolFull, SpoolLocked, open_spool, read_lines
+from loopwatch.embedded.broker import free_port
+
+
+def lines(count: int, start: int = 0) -> list[bytes]:
+    return [b'{"run_id":"r%d","n":%d}' % (n % 7, n) for n in range(start, start + count)]
+
+
+@pytest.fixture()
+def fsyncs(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """A spy on os.fsync: the real fsync runs, each call is counted."""
+    calls: list[int] = []
+    real = os.fsync
+
+    def counted(descriptor: int) -> None:
+        calls.append(descriptor)
+        real(descriptor)
+
+    monkeypatch.setattr(os, "fsync", counted)
+    yield calls
+
+
+def test_one_batch_is_one_write_and_one_fsync(tmp_path: Path, fsyncs: list[int]):
+    spool = DiskSpool(tmp_path / "s", 10 << 20)
+    for batch in range(3):
+        spool.append(lines(1000, batch * 1000))
+    assert len(fsyncs) == 3 == spool.fsyncs
+    assert spool.records() == lines(3000)
+    assert spool.unconfirmed() == 3000
+    spool.close()
+
+
+def test_the_emitter_writes_ahead_in_batches_not_per_event(tmp_path: Path, fsyncs: list[int]):
+    """Embedded-broker mode (every event written ahead), the broker not up yet: 20,000
+    events reach the spool in far fewer fsyncs than events (one per sender batch)."""
+    emitter = Emitter(f"127.0.0.1:{free_port()}", spool_dir=tmp_path / "spool",
+                      confirm="pipeline", consumer_group="g",
+                      producer_config={"max_block_ms": 200, "bootstrap_timeout_ms": 200})
+    for n in range(20_000):
+        emitter.emit(Step(run_id=f"run-{n % 50}", agent="a", step=n))
+    assert emitter.flush(60)
+    assert emitter.stats.logged == 20_000
+    assert emitter.spool.unconfirmed() == 20_000
+    assert 1 <= emitter.spool.fsyncs <= 20_000 // 100, emitter.spool.fsyncs
+    emitter.close(timeout_s=1, confirm_timeout_s=0)
+    assert len(DiskSpool(tmp_path / "spool", 1 << 30).records()) == 20_000
+
+
+def test_a_line_torn_by_a_crash_stays_a_record_of_its_own(tmp_path: Path):
+    """A writer killed mid-line leaves a fragment at the end of its segment: reopened,
+    the complete records come back whole, the fragment as one record (sent on and
+    dead-lettered downstream), and new records go to a new segment, never after it."""
+    folder = tmp_path / "s"
+    spool = DiskSpool(folder, 1 << 20)
+    spool.append(lines(5))
+    spool.close()
+    (segment,) = folder.glob("seg-*.log")
+    with segment.open("ab") as handle:
+        handle.write(b'{"run_id":"torn","n":')
+    reopened = DiskSpool(folder, 1 << 20)
+    assert reopened.records() == [*lines(5), b'{"run_id":"torn","n":']
+    reopened.append(lines(2, 100))
+    assert read_lines(segment) == [*lines(5), b'{"run_id":"torn","n":']
+    assert len(list(folder.glob("seg-*.log"))) == 2
+    resent = [record for _, _, batch in reopened.take_resend() for record in batch]
+    assert resent == [*lines(5), b'{"run_id":"torn","n":']  # the new records were sent
+    reopened.close()
+
+
+def test_a_writer_killed_mid_stream_leaves_only_whole_records_but_the_last(tmp_path: Path):
+    """SIGKILL a real process appending batches: every record read back is one it wrote,
+    in order, and at most the last one is torn."""
+    folder = tmp_path / "s"
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[2])\n"
+        "from pathlib import Path\nfrom ingest.spool import DiskSpool\n"
+        "spool = DiskSpool(Path(sys.argv[1]), 1 << 40)\n"
+        "n = 0\nprint('ready', flush=True)\n"
+        "while True:\n"
+        "    spool.append([b'{\"n\":%d,\"pad\":\"%s\"}' % (n + i, b'x' * 200) "
+        "for i in range(100)])\n"
+        "    n += 100\n")
+    child = subprocess.Popen([sys.executable, "-c", script, str(folder), os.getcwd()],
+                             stdout=subprocess.PIPE)
+    assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and sum(
+            path.stat().st_size for path in folder.glob("seg-*.log")) < 1 << 20:
+        time.sleep(0.05)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    records = DiskSpool(folder, 1 << 40).records()
+    whole = [record for record in records if record.endswith(b'"}')]
+    assert len(records) - len(whole) <= 1 and records[:len(whole)] == whole
+    assert [int(record[5:record.index(b",")]) for record in whole] == list(range(len(whole)))
+    assert len(whole) >= 1000
+
+
+def test_a_full_spool_refuses_at_the_call_and_counts(tmp_path: Path):
+    """Broker unreachable, 4 kB of spool: the events that fit are accepted and kept on
+    disk; the next ones raise SpoolFull at emit() and are counted; none is dropped."""
+    emitter = Emitter(f"127.0.0.1:{free_port()}", "t", tmp_path / "spool",
+                      spool_max_bytes=4096,
+                      producer_config={"max_block_ms": 200, "bootstrap_timeout_ms": 200})
+    accepted = refused = 0
+    for n in range(100):
+        try:
+            emitter.emit(Step(run_id="full", agent="a", step=n))
+            accepted += 1
+        except SpoolFull as exc:
+            assert "spool full" in str(exc) and "not accepted" in str(exc)
+            refused += 1
+    assert emitter.flush(30)
+    assert (accepted + refused, emitter.stats.refused, emitter.stats.queued) == (
+        100, refused, accepted)
+    assert 0 < accepted < 100
+    assert emitter.spool.unconfirmed() == accepted == emitter.stats.spooled
+    assert emitter.spool.size() <= 4096
+    emitter.close(timeout_s=1)
+    steps = sorted(int(line.split(b'"step":')[1].split(b",")[0].rstrip(b"}"))
+                   for line in DiskSpool(tmp_path / "spool", 1 << 20).records())
+    assert steps == list(range(accepted))
+
+
+def test_two_live_spools_never_share_a_folder(tmp_path: Path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys; sys.path.insert(0, sys.argv[2])\nfrom pathlib import Path\n"
+         "from ingest.spool import DiskSpool\nDiskSpool(Path(sys.argv[1]), 1024)\n"
+         "print('held', flush=True)\nsys.stdin.read()", str(tmp_path / "emitter"), os.getcwd()],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        with pytest.raises(SpoolLocked, match=f"held by another live emitter .pid {holder.pid}"):
+            DiskSpool(tmp_path / "emitter", 1024)
+        second = open_spool(tmp_path, "emitter", 1024)
+        assert second.directory == tmp_path / "emitter-2"
+        with pytest.raises(SpoolLocked):
+            DiskSpool(tmp_path / "emitter-2", 1024)  # in this process too
+        second.close()
+    finally:
+        holder.kill()
+        holder.wait()
+    DiskSpool(tmp_path / "emitter", 1024).close()  # its holder exited: free again
+
+
+def test_an_emitter_that_starts_adopts_what_exited_emitters_left(tmp_path: Path):
+    """Orphans of the same topic (their holder gone) move into the new spool and are
+    resent; a live spool and one of another topic are left alone."""
+    root = tmp_path / "spool"
+    for name, topic, count in (("gone-1", "events", 3), ("gone-2", "events", 2),
+                               ("other-topic", "elsewhere", 4)):
+        orphan = DiskSpool(root / name, 1 << 20, topic=topic)
+        orphan.append(lines(count))
+        orphan.close()
+    legacy = root / "0123abcd"  # the random folder of an emitter before segments
+    legacy.mkdir()
+    (legacy / "spool.jsonl").write_bytes(b"\n".join(lines(1, 50)) + b"\n")
+    live = DiskSpool(root / "live", 1 << 20, topic="events")
+    live.append(lines(6))
+    adopter = open_spool(root, "emitter", 1 << 20, topic="events")
+    assert sorted(adopter.records()) == sorted([*lines(3), *lines(2), *lines(1, 50)])
+    assert sorted(path.name for path in root.iterdir()) == ["emitter", "live", "other-topic"]
+    assert len(live.records()) == 6
+    assert adopter.pending_resend()
+    adopter.close()
+    live.close()
+
+
+def test_confirmed_segments_go_and_a_resend_makes_older_confirmations_stale(tmp_path: Path):
+    spool = DiskSpool(tmp_path / "s", 1 << 20, segment_bytes=1)  # one segment a batch
+    first, second = spool.append(lines(3)), spool.append(lines(2, 3))
+    assert spool.confirm(first.seq, first.generation, 3)
+    assert not first.path.exists() and second.path.exists()
+    stale = second.generation
+    spool.mark_all_resend()
+    ((seq, generation, records),) = list(spool.take_resend())
+    assert (seq, records) == (second.seq, lines(2, 3)) and generation == stale + 1
+    assert not spool.confirm(seq, stale, 2)  # sent to a broker that lost it
+    assert second.path.exists() and spool.unconfirmed() == 2
+    assert spool.confirm(seq, generation, 2)
+    assert not second.path.exists() and spool.size() == 0
+    spool.close()
+
+
+def test_the_spool_is_private_whatever_the_umask(tmp_path: Path):
+    previous = os.umask(0o022)
+    try:
+        data_dir = tmp_path / "fresh" / "data"
+        spool = open_spool(data_dir / "spool", "emitter", 1 << 20, topic="events")
+        spool.append(lines(1))
+    finally:
+        os.umask(previous)
+    for folder in (data_dir, data_dir / "spool", spool.directory):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+    files = list(spool.directory.iterdir())
+    assert {path.name.split("-")[0] for path in files} == {"lock", "meta.json", "seg"}
+    for path in files:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    spool.close()

@@ -138,7 +138,7 @@ def run_demo(settings: Settings, duration_s: float, rate: float, seed: int,
         if progress:
             console.print(f"live dashboards: [bold]{web_url}[/bold]  (open it while the demo runs)")
         emitter = Emitter(up.info["kafka_bootstrap"], up.info["events_topic"],
-                          data_dir / "spool", capture=settings.capture,
+                          data_dir=data_dir, capture=settings.capture,
                           redactor=Redactor.from_settings(settings),
                           captures_topic=settings.captures_topic,
                           max_part_bytes=settings.capture_max_part_bytes)

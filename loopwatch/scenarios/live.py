@@ -56,7 +56,7 @@ def run_live(scenario: Scenario, data_dir: Path, *, speed: float = 60.0, seed: i
     traffic = Traffic(FLEET, seed)
     with UpProcess(data_dir, env) as up:
         emitter = Emitter(up.info["kafka_bootstrap"], up.info["events_topic"],
-                          data_dir / "spool")
+                          data_dir=data_dir)
         sim_start = datetime.now(UTC).replace(microsecond=0)
         say(f"emitting {history_hours:g} h of clean history")
         emitted = 0

@@ -19,8 +19,8 @@ from typing import Any
 import orjson
 
 from detectors.notify import DeliveryError, Notifier
+from ingest.privatefs import write_private
 from loopwatch.masking import mask_secrets
-from loopwatch.privatefs import write_private
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from ingest.privatefs import private_dir, write_private
 
 BROKER_FILE = "broker.json"
 
@@ -90,16 +91,7 @@ def read_announcement(data_dir: Path) -> BrokerAnnouncement | None:
 
 
 def write_announcement(data_dir: Path, announcement: BrokerAnnouncement) -> None:
-    """Replace the record atomically; the file is private to its owner (0600)."""
-    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    descriptor, temporary = tempfile.mkstemp(dir=data_dir, prefix=".broker.", suffix=".tmp")
-    try:
-        with os.fdopen(descriptor, "w") as handle:
-            json.dump(asdict(announcement), handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(temporary, 0o600)
-        os.replace(temporary, broker_file(data_dir))
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    """Replace the record atomically; the file is private to its owner (0600) in a
+    private folder (0700)."""
+    private_dir(data_dir)
+    write_private(broker_file(data_dir), json.dumps(asdict(announcement)).encode())

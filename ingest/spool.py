@@ -34,13 +34,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from ingest.privatefs import open_private, private_dir
+
 SEGMENT_PREFIX = "seg-"
 SEGMENT_SUFFIX = ".log"
 #: the single file the spool used before segments; read (and resent) like a segment
 LEGACY_FILE = "spool.jsonl"
 LOCK_FILE = "lock"
 META_FILE = "meta.json"
-PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600
 
 
 class SpoolFull(BufferError):
@@ -71,27 +72,9 @@ class Segment:
     needs_resend: bool = False
 
 
-def private_dir(path: Path) -> Path:
-    """Create ``path`` and any missing parents 0700 whatever the umask (``mkdir(parents=
-    True)`` gives parents the umask's mode: a fresh data dir would be 0755)."""
-    missing = [path, *(parent for parent in path.parents if not parent.exists())]
-    for folder in reversed([p for p in missing if not p.exists()]):
-        with contextlib.suppress(FileExistsError):
-            folder.mkdir(mode=PRIVATE_DIR)
-            os.chmod(folder, PRIVATE_DIR)
-    os.chmod(path, PRIVATE_DIR)
-    return path
-
-
-def _open_private(path: Path, flags: int) -> int:
-    descriptor = os.open(path, flags | os.O_CLOEXEC, PRIVATE_FILE)
-    os.fchmod(descriptor, PRIVATE_FILE)
-    return descriptor
-
-
 def _lock(directory: Path) -> int | None:
     """The folder's lock, held; None if a live process holds it."""
-    descriptor = _open_private(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT)
+    descriptor = open_private(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -232,7 +215,7 @@ class DiskSpool:
             seq = self._next_seq
             self._next_seq += 1
             path = self.directory / f"{SEGMENT_PREFIX}{seq:012d}{SEGMENT_SUFFIX}"
-            self._fd = _open_private(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            self._fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
             self._active = self._segments[seq] = Segment(seq, path)
         return self._active
 
@@ -372,7 +355,7 @@ class DiskSpool:
     # -- life cycle -----------------------------------------------------------------
 
     def _write_meta(self) -> None:
-        descriptor = _open_private(self.directory / META_FILE,
+        descriptor = open_private(self.directory / META_FILE,
                                    os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         with os.fdopen(descriptor, "w") as handle:
             json.dump({"topic": self.topic}, handle)

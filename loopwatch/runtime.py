@@ -29,13 +29,13 @@ import orjson
 from detectors.service import start_detectors
 from ingest.otlp.server import OtlpReceiver
 from ingest.otlp.settings import load_otlp_settings
+from ingest.privatefs import PRIVATE_UMASK, private_dir
 from ingest.sdk import partition_for
 from loopwatch.capture.decide import start_decider
 from loopwatch.config import Settings
 from loopwatch.deadletters import replay_pending
 from loopwatch.embedded.lifecycle import DataDirBroker
 from loopwatch.masking import safe_url
-from loopwatch.privatefs import PRIVATE_UMASK, private_dir
 from loopwatch.reprocess import reprocess_with
 from loopwatch.store.clickhouse import connect, migrate
 from loopwatch.store.reader import (

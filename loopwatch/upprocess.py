@@ -15,9 +15,9 @@ from types import TracebackType
 from typing import Any
 
 from ingest.announce import BrokerAnnouncement, read_announcement
+from ingest.privatefs import append_private, private_dir
 from loopwatch.config import load_settings
 from loopwatch.embedded.lifecycle import discard_broker
-from loopwatch.privatefs import append_private, private_dir
 from loopwatch.processes import terminate
 from loopwatch.store.reader import ServiceReader, running_service
 

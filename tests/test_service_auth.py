@@ -27,9 +27,9 @@ import orjson
 import pytest
 
 from detectors.outbox import Outbox
+from ingest.privatefs import mode
 from ingest.spool import DiskSpool
 from loopwatch.config import Settings
-from loopwatch.privatefs import mode
 from loopwatch.runtime import _insert_action
 from loopwatch.store.clickhouse import connect, run_query
 from loopwatch.store.reader import QueryError, ServiceReader, ServiceUnreachable

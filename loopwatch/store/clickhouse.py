@@ -15,8 +15,8 @@ from urllib.parse import urlparse
 import clickhouse_connect
 from clickhouse_connect.driver.client import Client
 
+from ingest.privatefs import private_dir
 from loopwatch.config import Settings
-from loopwatch.privatefs import private_dir
 from loopwatch.store.retention import apply_retention
 from loopwatch.store.schema_versions import apply_migrations
 from loopwatch.store.schema_versions import migrations as migrations  # cluster.py, tests

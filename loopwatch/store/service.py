@@ -7,7 +7,7 @@ need) over a Unix domain socket in the private data dir; it announces itself in
 and this service is only a convenience.
 
 Who can reach it: only the owner's user. The socket is 0600 inside the 0700 data dir
-(:mod:`loopwatch.privatefs`), so another local user cannot connect, and no browser can
+(:mod:`ingest.privatefs`), so another local user cannot connect, and no browser can
 reach a Unix socket at all. As a second line, a request must name the service's own
 ``Host`` (:data:`SERVICE_HOST`), carry no ``Origin`` or ``Sec-Fetch-*`` header (browsers
 send them), and send its body with the content type its endpoint expects.
@@ -37,7 +37,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from loopwatch.privatefs import FILE_MODE, private_dir, write_private
+from ingest.privatefs import FILE_MODE, private_dir, write_private
 from loopwatch.store.reader import DirectReader, Reader
 
 #: the ``Host`` every client of the service names (it is not a network name)

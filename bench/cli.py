@@ -12,6 +12,8 @@ from rich.bar import Bar
 from rich.console import Console
 from rich.table import Table
 
+from loopwatch.cliargs import one_of, positive
+
 
 @dataclass(frozen=True)
 class Target:
@@ -71,10 +73,13 @@ def against_targets(result: dict[str, Any]) -> list[tuple[Target, float | None, 
 
 
 def bench(
-    events: Annotated[int, typer.Option(help="events to emit and process")] = 500_000,
-    workers: Annotated[int, typer.Option(help="also measure 2 processor processes if 2")] = 1,
+    events: Annotated[int, typer.Option(help="events to emit and process",
+                                        callback=positive)] = 500_000,
+    workers: Annotated[int, typer.Option(help="also measure 2 processor processes if 2",
+                                         callback=one_of(1, 2))] = 1,
     query_events: Annotated[int, typer.Option(
-        help="synthetic events bulk-loaded into the store before the query latencies")] = 200_000,
+        help="synthetic events bulk-loaded into the store before the query latencies",
+        callback=positive)] = 200_000,
     json_output: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
     """Measure emitter, raw consumer, processors, storage, query and alert latency."""

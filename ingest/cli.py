@@ -16,17 +16,18 @@ import typer
 from pydantic import ValidationError
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-from loopwatch.cliargs import DataDir, console, settings_from
+from loopwatch.cliargs import HELP_MARKUP, DataDir, console, port_number, positive, settings_from
 from loopwatch.config import Settings
 
 WaitTimeout = Annotated[float, typer.Option(
-    "--wait-timeout", help="seconds to wait for everything to be stored")]
+    "--wait-timeout", help="seconds to wait for everything to be stored", callback=positive)]
 
 
 def serve(
     host: Annotated[str | None, typer.Option(help="listen address [env LOOPWATCH_OTLP_HOST]")]
     = None,
-    port: Annotated[int | None, typer.Option(help="port [env LOOPWATCH_OTLP_PORT]")] = None,
+    port: Annotated[int | None, typer.Option(help="port [env LOOPWATCH_OTLP_PORT]",
+                                             callback=port_number)] = None,
     token: Annotated[str | None, typer.Option(
         help="require this bearer token [env LOOPWATCH_OTLP_TOKEN]")] = None,
     data_dir: DataDir = None,
@@ -159,7 +160,7 @@ def transcript(
 
 def register(app: typer.Typer) -> None:
     """Add the ``ingest`` sub-app (serve, file, transcript) to the main CLI."""
-    ingest_app = typer.Typer(no_args_is_help=True,
+    ingest_app = typer.Typer(no_args_is_help=True, rich_markup_mode=HELP_MARKUP,
                              help="Bring data in: OTLP/HTTP receiver and file imports.")
     ingest_app.command("serve")(serve)
     ingest_app.command("file")(file)
@@ -168,7 +169,8 @@ def register(app: typer.Typer) -> None:
 
 
 def main() -> None:
-    app = typer.Typer(no_args_is_help=True, add_completion=False)
+    app = typer.Typer(no_args_is_help=True, add_completion=False,
+                      rich_markup_mode=HELP_MARKUP)
     register(app)
 
     @app.callback()

@@ -13,22 +13,27 @@ import typer
 from rich.console import Console
 
 from loopwatch.cliargs import (
+    HELP_MARKUP,
     DataDir,
     DebugFlag,
     ErrorContract,
     JsonFlag,
+    Limit,
     UsageError,
     console,
+    port_number,
+    positive,
     settings_from,
 )
 from loopwatch.render import fitted
 
-app = typer.Typer(cls=ErrorContract, no_args_is_help=True, add_completion=False,
+app = typer.Typer(cls=ErrorContract, rich_markup_mode=HELP_MARKUP,
+                  no_args_is_help=True, add_completion=False,
                   help="Streaming observability and anomaly detection for LLM agent fleets.")
-dlq_app = typer.Typer(no_args_is_help=True,
+dlq_app = typer.Typer(no_args_is_help=True, rich_markup_mode=HELP_MARKUP,
                       help="Dead letters: input the pipeline refused or failed on.")
 app.add_typer(dlq_app, name="dlq")
-scenario_app = typer.Typer(no_args_is_help=True,
+scenario_app = typer.Typer(no_args_is_help=True, rich_markup_mode=HELP_MARKUP,
                            help="Incident scenarios: inject failure modes, score the alerting.")
 app.add_typer(scenario_app, name="scenario")
 out = Console()
@@ -47,7 +52,8 @@ def print_table(columns: list[str], rows: list[list[Any]], title: str | None = N
 def up(
     data_dir: DataDir = None,
     otlp_port: Annotated[int | None, typer.Option(
-        help="OTLP/HTTP receiver port [env LOOPWATCH_OTLP_PORT, default 4318]")] = None,
+        help="OTLP/HTTP receiver port [env LOOPWATCH_OTLP_PORT, default 4318]",
+        callback=port_number)] = None,
 ) -> None:
     """Run broker (unless configured), processors and the store service until Ctrl-C."""
     from loopwatch.runtime import run_up
@@ -87,8 +93,9 @@ def worker(data_dir: DataDir = None) -> None:
 @app.command()
 def demo(
     data_dir: DataDir = None,
-    duration: Annotated[float, typer.Option(help="seconds of simulated traffic")] = 60.0,
-    rate: Annotated[float, typer.Option(help="new runs per second")] = 4.0,
+    duration: Annotated[float, typer.Option(help="seconds of simulated traffic",
+                                            callback=positive)] = 60.0,
+    rate: Annotated[float, typer.Option(help="new runs per second", callback=positive)] = 4.0,
     seed: Annotated[int, typer.Option(help="simulator seed")] = 7,
     as_json: JsonFlag = False,
 ) -> None:
@@ -173,7 +180,7 @@ def _print_query(data_dir: Path | None, sql: str, parameters: dict[str, Any], as
 @app.command()
 def alerts(
     data_dir: DataDir = None,
-    limit: Annotated[int, typer.Option(help="newest N")] = 50,
+    limit: Limit = 50,
     as_json: JsonFlag = False,
 ) -> None:
     """Firing alerts first, then recent ones, with their playbooks."""
@@ -207,7 +214,8 @@ def playbook(
     agent: Annotated[str, typer.Option(help="investigate this agent ('' = all)")] = "",
     tool: Annotated[str, typer.Option(help="the tool in question, if any")] = "",
     run_id: Annotated[str, typer.Option(help="the run in question, if any")] = "",
-    hours: Annotated[float, typer.Option(help="look back this many hours")] = 24.0,
+    hours: Annotated[float, typer.Option(help="look back this many hours",
+                                         callback=positive)] = 24.0,
     data_dir: DataDir = None,
 ) -> None:
     """Print a playbook and run its investigation queries against the store."""
@@ -303,7 +311,8 @@ def scenario_list() -> None:
 @scenario_app.command("run")
 def scenario_run(
     name: Annotated[str, typer.Argument(help="a scenario from `loopwatch scenario list`")],
-    speed: Annotated[float, typer.Option(help="simulated seconds per real second")] = 60.0,
+    speed: Annotated[float, typer.Option(help="simulated seconds per real second",
+                                         callback=positive)] = 60.0,
     seed: Annotated[int, typer.Option(help="traffic seed")] = 7,
     data_dir: DataDir = None,
     as_json: JsonFlag = False,
@@ -330,9 +339,11 @@ def scenario_run(
 
 @scenario_app.command("score")
 def scenario_score(
-    days: Annotated[float, typer.Option(help="days of clean history loaded first")] = 7.0,
+    days: Annotated[float, typer.Option(help="days of clean history loaded first",
+                                        callback=positive)] = 7.0,
     baseline_hours: Annotated[float, typer.Option(help="clean hours watched for "
-                                                       "false alerts")] = 24.0,
+                                                       "false alerts",
+                                                  callback=positive)] = 24.0,
     only: Annotated[list[str] | None, typer.Option(help="run only these scenarios")] = None,
     seed: Annotated[int, typer.Option(help="traffic seed")] = 7,
     data_dir: DataDir = None,
@@ -379,7 +390,7 @@ def scenario_score(
 @dlq_app.command("list")
 def dlq_list(
     data_dir: DataDir = None,
-    limit: Annotated[int, typer.Option(help="newest N")] = 50,
+    limit: Limit = 50,
     as_json: JsonFlag = False,
 ) -> None:
     """Show dead letters, newest first, with their reasons."""

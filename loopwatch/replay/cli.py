@@ -16,7 +16,7 @@ from rich.console import Console, Group
 from rich.panel import Panel
 from rich.text import Text
 
-from loopwatch.cliargs import DataDir, JsonFlag, console, settings_from
+from loopwatch.cliargs import DataDir, JsonFlag, console, positive, settings_from
 from loopwatch.money import usd
 from loopwatch.replay.diff import diff_json
 from loopwatch.replay.recording import Recording, RunNotFound, Step, load_recording
@@ -208,7 +208,8 @@ def diff_command(
 
 def economics_command(
     agent: Annotated[str, typer.Argument(help="the agent")],
-    days: Annotated[float, typer.Option(help="window of closed runs, days")] = 7.0,
+    days: Annotated[float, typer.Option(help="window of closed runs, days",
+                                        callback=positive)] = 7.0,
     data_dir: DataDir = None,
     as_json: JsonFlag = False,
 ) -> None:

@@ -119,9 +119,11 @@ def query(
     sql: Annotated[str, typer.Argument(help="a read-only ClickHouse query")],
     data_dir: DataDir = None,
     as_json: JsonFlag = False,
+    create: Annotated[bool, typer.Option(
+        "--create", help="create an empty store if the data dir holds none")] = False,
 ) -> None:
     """Run a read-only query in loopwatch's database (through a running `up` if any)."""
-    _print_query(data_dir, sql, {}, as_json)
+    _print_query(data_dir, sql, {}, as_json, create=create)
 
 
 @app.command()
@@ -161,13 +163,13 @@ def _key_values(items: list[str]) -> dict[str, str]:
 
 
 def _print_query(data_dir: Path | None, sql: str, parameters: dict[str, Any], as_json: bool,
-                 title: str | None = None) -> None:
-    from loopwatch.store.reader import QueryError, open_reader
+                 title: str | None = None, create: bool = False) -> None:
+    from loopwatch.store.reader import QueryError
     from loopwatch.store.service import dumps
 
-    settings = settings_from(data_dir)
+    reader, store = open_checked(settings_from(data_dir), create)
     try:
-        result = open_reader(settings).query(sql, parameters)
+        result = reader.query(sql, parameters)
     except QueryError as exc:
         console.print(f"[red]query failed:[/red] {exc}")
         raise typer.Exit(1) from None
@@ -175,6 +177,20 @@ def _print_query(data_dir: Path | None, sql: str, parameters: dict[str, Any], as
         sys.stdout.write(dumps(result.records()).decode() + "\n")
     else:
         print_table(result.columns, result.rows, title=title)
+    said(store)
+
+
+def open_checked(settings: Any, create: bool = False) -> tuple[Any, str]:
+    """The store's reader and description, refusing a data dir that holds none
+    (loopwatch.storecheck; imported here, not at start, like every store module)."""
+    from loopwatch.storecheck import open_checked as checked
+
+    return checked(settings, create)
+
+
+def said(store: str) -> None:
+    """Which store was read, on stderr (after the result: an error stays one line)."""
+    console.print(store, markup=False, highlight=False)
 
 
 @app.command()
@@ -184,19 +200,20 @@ def alerts(
     as_json: JsonFlag = False,
 ) -> None:
     """Firing alerts first, then recent ones, with their playbooks."""
-    from loopwatch.store.reader import open_reader
     from loopwatch.store.service import dumps
 
-    settings = settings_from(data_dir)
-    result = open_reader(settings).query(ALERTS_SQL, {"limit": limit})
+    reader, store = open_checked(settings_from(data_dir))
+    result = reader.query(ALERTS_SQL, {"limit": limit})
     if as_json:
         records = result.records()
         for record in records:
             record["evidence"] = json.loads(record["evidence"] or "{}")
         sys.stdout.write(dumps(records).decode() + "\n")
-        return
-    columns = ["state", "severity", "rule", "summary", "playbook", "started_at"]
-    print_table(columns, [[r[c] for c in columns] for r in result.records()], title="alerts")
+    else:
+        columns = ["state", "severity", "rule", "summary", "playbook", "started_at"]
+        print_table(columns, [[r[c] for c in columns] for r in result.records()],
+                    title="alerts")
+    said(store)
 
 
 ALERTS_SQL = """
@@ -222,7 +239,7 @@ def playbook(
     from datetime import timedelta
 
     from detectors.playbooks import load_playbooks, render_markdown
-    from loopwatch.store.reader import QueryError, open_reader
+    from loopwatch.store.reader import QueryError
 
     books = load_playbooks()
     if not name:
@@ -233,8 +250,8 @@ def playbook(
         console.print(f"[red]unknown playbook {name!r}[/red]; one of: {', '.join(books)}")
         raise typer.Exit(2)
     chosen = books[name]
+    reader, store = open_checked(settings_from(data_dir))
     out.print(render_markdown(chosen), markup=False, highlight=False, soft_wrap=True)
-    reader = open_reader(settings_from(data_dir))
     now = datetime.now(UTC)
     values = {"agent": agent, "tool": tool, "run_id": run_id,
               "since": now - timedelta(hours=hours), "until": now}
@@ -247,6 +264,7 @@ def playbook(
             console.print(f"[red]{step.title}: {exc}[/red]")
             continue
         print_table(result.columns, result.rows[:20], title=step.title)
+    said(store)
 
 
 @app.command()
@@ -395,16 +413,16 @@ def dlq_list(
 ) -> None:
     """Show dead letters, newest first, with their reasons."""
     from loopwatch.deadletters import list_dead_letters
-    from loopwatch.store.reader import open_reader
 
-    settings = settings_from(data_dir)
-    result = list_dead_letters(open_reader(settings), limit)
+    reader, store = open_checked(settings_from(data_dir))
+    result = list_dead_letters(reader, limit)
     if as_json:
         from loopwatch.store.service import dumps
 
         sys.stdout.write(dumps(result.records()).decode() + "\n")
     else:
         print_table(result.columns, result.rows, title="dead letters")
+    said(store)
 
 
 @dlq_app.command("replay")

@@ -28,6 +28,8 @@ def test_query_goes_through_the_running_service(pipeline):
                        env=pipeline.env)
     assert result.returncode == 0, result.stderr
     assert orjson.loads(result.stdout) == [{"two": 2, "letter": "x"}]
+    chdb = Path(pipeline.env["LOOPWATCH_DATA_DIR"]).resolve() / "chdb"
+    assert result.stderr.startswith(f"store: chdb://{chdb} (through the running up, pid ")
 
 
 def test_query_is_read_only_and_leaves_the_store_writable(pipeline, reader, emitter, agent):

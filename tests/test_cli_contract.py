@@ -73,7 +73,7 @@ CASES: dict[str, tuple[list[str], int]] = {
 EXTRA_CASES: list[tuple[list[str], int]] = [
     (["investigate", "top_cost_runs", "--param", "foo"], 2),
     (["investigate", "top_cost_runs", "--param", "=value"], 2),
-    (["query", "KILL QUERY WHERE 1"], 1),
+    (["query", "--create", "KILL QUERY WHERE 1"], 1),  # a store to refuse it in
     (["query", "--no-such-option", "SELECT 1"], 2),
     (["no-such-command"], 2),
 ]

@@ -31,9 +31,12 @@ FullFlag = Annotated[bool, typer.Option("--full", help="print every body in full
 
 def _reader(data_dir: Path | None) -> Reader:
     from loopwatch.store.reader import open_reader
+    from loopwatch.storecheck import store_to_read
 
+    settings = settings_from(data_dir)
+    store_to_read(settings)  # a data dir without a store is refused, not created
     try:
-        return open_reader(settings_from(data_dir))
+        return open_reader(settings)
     except QueryError as exc:
         console.print(f"[red]cannot read the store:[/red] {exc}")
         raise typer.Exit(1) from None

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from loopwatch.cliargs import one_of, positive
+from loopwatch.liveline import LiveLine
 
 
 @dataclass(frozen=True)
@@ -86,9 +87,11 @@ def bench(
     from bench.pipeline import run_bench
 
     err = Console(stderr=True)
-    with err.status("benchmark starting") as status:
+    with err.status("benchmark starting") as status, LiveLine(
+            err, enabled=not err.is_terminal) as plain:  # the spinner needs a terminal
         def progress(message: str) -> None:
             status.update(message)
+            plain.update([message], phase=message.partition(" ")[0])
 
         def note(message: str) -> None:
             err.print(f"[dim]{message}[/dim]")

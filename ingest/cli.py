@@ -18,6 +18,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 from loopwatch.cliargs import HELP_MARKUP, DataDir, console, port_number, positive, settings_from
 from loopwatch.config import Settings
+from loopwatch.liveline import LiveLine
 
 WaitTimeout = Annotated[float, typer.Option(
     "--wait-timeout", help="seconds to wait for everything to be stored", callback=positive)]
@@ -82,18 +83,27 @@ def _run_import(settings: Settings, path: Path, records: Any, wait_timeout: floa
 
     size = path.stat().st_size
     show = console.is_terminal
+
+    def sent(offset: int) -> None:
+        progress.update(task, completed=offset)
+        plain.update([f"sending {path.name}", f"{offset} of {size} bytes"], phase="sending")
+
+    def stored_so_far(done: int) -> None:
+        progress.update(task, completed=done)
+        plain.update(["waiting until stored", f"{done} of {len(delivery.ids)} events"],
+                     phase="waiting")
+
     try:
-        with open_target(settings, console.print) as target:
+        with open_target(settings, console.print) as target, LiveLine(
+                console, enabled=not show) as plain:  # the progress bars need a terminal
             delivery = Delivery(settings, target)
             try:
                 with _progress(size, show) as progress:
                     task = progress.add_task(f"sending {path.name}", total=size)
-                    summary = deliver(records, delivery, report,
-                                      lambda offset: progress.update(task, completed=offset))
+                    summary = deliver(records, delivery, report, sent)
                 with Progress(console=console, transient=True, disable=not show) as progress:
                     task = progress.add_task("waiting until stored", total=len(delivery.ids))
-                    stored, dead = delivery.wait_stored(
-                        wait_timeout, lambda done: progress.update(task, completed=done))
+                    stored, dead = delivery.wait_stored(wait_timeout, stored_so_far)
             finally:
                 delivery.close()
     except ImportFailed as exc:

@@ -238,7 +238,8 @@ def playbook(
     """Print a playbook and run its investigation queries against the store."""
     from datetime import timedelta
 
-    from detectors.playbooks import load_playbooks, render_markdown
+    from detectors.playbooks import Step, load_playbooks
+    from loopwatch.playbookview import missing_options, print_playbook
     from loopwatch.store.reader import QueryError
 
     books = load_playbooks()
@@ -251,19 +252,24 @@ def playbook(
         raise typer.Exit(2)
     chosen = books[name]
     reader, store = open_checked(settings_from(data_dir))
-    out.print(render_markdown(chosen), markup=False, highlight=False, soft_wrap=True)
     now = datetime.now(UTC)
-    values = {"agent": agent, "tool": tool, "run_id": run_id,
-              "since": now - timedelta(hours=hours), "until": now}
-    for step in chosen.steps:
-        if not step.sql:
-            continue
+    values: dict[str, Any] = {"agent": agent, "tool": tool, "run_id": run_id,
+                              "since": now - timedelta(hours=hours), "until": now}
+
+    def answer(step: Step) -> None:
         try:
-            result = reader.query(step.sql, {k: values[k] for k in step.parameters})
+            result = reader.query(step.sql or "", {k: values[k] for k in step.parameters})
         except QueryError as exc:
             console.print(f"[red]{step.title}: {exc}[/red]")
-            continue
-        print_table(result.columns, result.rows[:20], title=step.title)
+            return
+        print_table(result.columns, result.rows[:20])
+
+    skipped = print_playbook(out, chosen, values, answer)
+    if skipped:
+        options = sorted({o for step in skipped for o in missing_options(step, values)})
+        console.print(f"skipped {len(skipped)} of {len(chosen.sql_steps)} queries: "
+                      f"`loopwatch playbook {name} {' '.join(options)}` runs them",
+                      markup=False, highlight=False)
     said(store)
 
 

@@ -53,17 +53,6 @@ def test_investigate_runs_a_named_query_and_asks_for_missing_parameters(pipeline
     assert "loop_pattern needs --param run_id=..." in missing.stderr
 
 
-def test_a_playbook_prints_its_markdown_verbatim_on_80_columns(pipeline):
-    """Its SQL is there to be copied and run: no line may be wrapped, no bracket taken
-    for markup."""
-    from detectors.playbooks import load_playbooks, render_markdown
-
-    result = loopwatch("playbook", "agent_stuck_in_loop", env={**pipeline.env,
-                                                               "COLUMNS": "80"})
-    assert result.returncode == 0, result.stderr
-    assert render_markdown(load_playbooks()["agent_stuck_in_loop"]) in result.stdout
-
-
 def test_invalid_settings_get_a_message_a_person_can_act_on(tmp_path: Path):
     result = loopwatch("query", "SELECT 1", env={"LOOPWATCH_CLICKHOUSE_URL": "ftp://db:21",
                                                  "LOOPWATCH_DATA_DIR": str(tmp_path)})

@@ -68,7 +68,10 @@ def up(
             console.print(f"OTLP/HTTP: {info['otlp_url']}/v1/traces")
         console.print("processing; Ctrl-C drains and stops")
 
+    latest: dict[str, Any] = {}
+
     def progress(status: dict[str, Any]) -> None:
+        latest.update(status)  # its "counters" is the processors' live dict: read at the end
         counters = status["counters"]
         failed = counters["processing_errors"]
         console.print(
@@ -80,6 +83,9 @@ def up(
             + f"  broker retries {status['kafka_write_retries']}")
 
     run_up(settings, on_ready=ready, on_status=progress, otlp_port=otlp_port)
+    stored = latest.get("counters", {}).get("events")
+    console.print("stopped" if stored is None else f"stopped: {stored} events stored",
+                  markup=False, highlight=False)
 
 
 @app.command()

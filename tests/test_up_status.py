@@ -44,3 +44,31 @@ def test_the_status_line_is_reported_each_time_the_live_counters_move():
     finally:
         stop.set()
     assert reported == [(0, 0, 0), (5, 0, 0), (570, 12, 0), (570, 13, 2)]
+
+
+def test_a_stopped_up_says_how_many_events_it_stored(tmp_path):
+    """SIGTERM/Ctrl-C drained and exited printing nothing; it ends with the count now.
+    A `loopwatch up` of its own (own embedded broker): it is stopped here."""
+    from ingest.sdk import Emitter
+    from loopwatch.upprocess import UpProcess
+    from tests.conftest import PIPELINE_ENV
+
+    up = UpProcess(tmp_path / "data", {**PIPELINE_ENV, "LOOPWATCH_KAFKA_BOOTSTRAP": "",
+                                       "LOOPWATCH_DRAIN_TIMEOUT_S": "30"})
+    up.env = {key: value for key, value in up.env.items() if value != ""}
+    up.start(timeout_s=180)
+    try:
+        with Emitter(up.info["kafka_bootstrap"], up.info["events_topic"],
+                     spool_dir=tmp_path / "spool") as emitter:
+            with emitter.run(agent="stop-test", model="gpt-4o") as run:
+                run.step()
+                run.llm_call(input_tokens=10, output_tokens=1)
+            assert emitter.flush(30)
+        wait_for(lambda: up.health()["counters"]["events"] == 4, 120,
+                 what="the run's 4 events processed")
+        wait_for(lambda: "events 4 " in (tmp_path / "data" / "logs" / "up.log").read_text(),
+                 60, what="the status line to report them")
+    finally:
+        assert up.stop(timeout_s=120) == 0
+    log = (tmp_path / "data" / "logs" / "up.log").read_text().splitlines()
+    assert log[-1] == "stopped: 4 events stored"

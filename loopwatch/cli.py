@@ -89,6 +89,20 @@ def up(
 
 
 @app.command()
+def status(data_dir: DataDir = None, as_json: JsonFlag = False) -> None:
+    """Is `up` running on this data dir: its store, broker, OTLP endpoint, how far behind
+    the processors are, dead letters, firing alerts."""
+    from loopwatch.status import gather, lines
+
+    current = gather(settings_from(data_dir))
+    if as_json:
+        sys.stdout.write(json.dumps(current, default=str) + "\n")
+        return
+    for line in lines(current):
+        out.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command()
 def worker(data_dir: DataDir = None) -> None:
     """An extra processor: joins the consumer group and shares the partitions."""
     from loopwatch.runtime import run_worker

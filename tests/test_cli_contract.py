@@ -65,6 +65,7 @@ CASES: dict[str, tuple[list[str], int]] = {
     "scenario score": (["--days", "a-week"], 2),
     "schema": (["/proc/no/such/dir/schema.json"], 1),
     "serve": ([], 1),
+    "status": ([], 1),
     "up": ([], 1),
     "worker": ([], 1),
 }

@@ -57,3 +57,14 @@ def test_the_store_read_is_named_on_stderr_and_json_stays_clean(local_store):
     assert result.exit_code == 0, result.output
     assert orjson.loads(result.stdout) == [{"two": 2}]
     assert result.stderr == f"store: chdb://{Path(settings.data_dir) / 'chdb'}\n"
+
+
+def test_listings_of_a_fresh_store_say_no_rows(tmp_path):
+    """``dlq list`` and ``alerts`` printed nothing at all for an empty result."""
+    env = {"LOOPWATCH_CLICKHOUSE_URL": "", "LOOPWATCH_KAFKA_BOOTSTRAP": ""}
+    created = loopwatch(["query", "--create", "SELECT 1"], tmp_path, **env)
+    assert created.returncode == 0, created.stderr
+    for command, title in ((["dlq", "list"], "dead letters"), (["alerts"], "alerts")):
+        result = loopwatch(command, tmp_path, **env)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == f"{title}\nno rows\n"

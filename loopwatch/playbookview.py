@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from rich.console import Console
+from rich.table import Table
 from rich.text import Text
 
 from detectors.playbooks import Playbook, Step
@@ -27,8 +28,12 @@ def _heading(console: Console, text: str) -> None:
 
 
 def _bullets(console: Console, items: tuple[str, ...]) -> None:
+    listing = Table.grid(padding=(0, 1))  # a wrapped item stays under its own text
+    listing.add_column(no_wrap=True)
+    listing.add_column()
     for item in items:
-        console.print(Text(f"  • {item}"))
+        listing.add_row("  •", Text(item))
+    console.print(listing)
 
 
 def missing_options(step: Step, values: dict[str, object]) -> list[str]:

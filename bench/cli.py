@@ -12,6 +12,9 @@ from rich.bar import Bar
 from rich.console import Console
 from rich.table import Table
 
+from loopwatch.cliargs import one_of, positive
+from loopwatch.liveline import LiveLine
+
 
 @dataclass(frozen=True)
 class Target:
@@ -71,19 +74,24 @@ def against_targets(result: dict[str, Any]) -> list[tuple[Target, float | None, 
 
 
 def bench(
-    events: Annotated[int, typer.Option(help="events to emit and process")] = 500_000,
-    workers: Annotated[int, typer.Option(help="also measure 2 processor processes if 2")] = 1,
+    events: Annotated[int, typer.Option(help="events to emit and process",
+                                        callback=positive)] = 500_000,
+    workers: Annotated[int, typer.Option(help="also measure 2 processor processes if 2",
+                                         callback=one_of(1, 2))] = 1,
     query_events: Annotated[int, typer.Option(
-        help="synthetic events bulk-loaded into the store before the query latencies")] = 200_000,
+        help="synthetic events bulk-loaded into the store before the query latencies",
+        callback=positive)] = 200_000,
     json_output: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
     """Measure emitter, raw consumer, processors, storage, query and alert latency."""
     from bench.pipeline import run_bench
 
     err = Console(stderr=True)
-    with err.status("benchmark starting") as status:
+    with err.status("benchmark starting") as status, LiveLine(
+            err, enabled=not err.is_terminal) as plain:  # the spinner needs a terminal
         def progress(message: str) -> None:
             status.update(message)
+            plain.update([message], phase=message.partition(" ")[0])
 
         def note(message: str) -> None:
             err.print(f"[dim]{message}[/dim]")

@@ -17,7 +17,7 @@ from typing import Annotated
 
 import typer
 
-from loopwatch.cliargs import DataDir, console, settings_from
+from loopwatch.cliargs import HELP_MARKUP, DataDir, console, port_number, settings_from
 
 ClickHouseUrl = Annotated[str | None, typer.Option(
     "--clickhouse-url", help="the ClickHouse server Grafana reads, http(s)://user@host:port/db "
@@ -84,7 +84,8 @@ def deploy_command(
 def serve_command(
     host: Annotated[str, typer.Option(help="interface to bind (keep 127.0.0.1 unless "
                                       "a proxy authenticates in front)")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="port (0 = any free one)")] = 8765,
+    port: Annotated[int, typer.Option(help="port (0 = any free one)",
+                                      callback=port_number)] = 8765,
     data_dir: DataDir = None,
 ) -> None:
     """Serve the dashboards as a local web page (live charts, alerts, run drill-down)."""
@@ -110,7 +111,7 @@ def serve_command(
 
 def register(app: typer.Typer) -> None:
     """Add the ``dashboards`` sub-app (export, deploy) and ``serve`` to ``app``."""
-    dashboards_app = typer.Typer(no_args_is_help=True,
+    dashboards_app = typer.Typer(no_args_is_help=True, rich_markup_mode=HELP_MARKUP,
                                  help="Grafana dashboards as code: export or deploy them.")
     dashboards_app.command("export")(export_command)
     dashboards_app.command("deploy")(deploy_command)

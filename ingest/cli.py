@@ -16,17 +16,19 @@ import typer
 from pydantic import ValidationError
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-from loopwatch.cliargs import DataDir, console, settings_from
+from loopwatch.cliargs import HELP_MARKUP, DataDir, console, port_number, positive, settings_from
 from loopwatch.config import Settings
+from loopwatch.liveline import LiveLine
 
 WaitTimeout = Annotated[float, typer.Option(
-    "--wait-timeout", help="seconds to wait for everything to be stored")]
+    "--wait-timeout", help="seconds to wait for everything to be stored", callback=positive)]
 
 
 def serve(
     host: Annotated[str | None, typer.Option(help="listen address [env LOOPWATCH_OTLP_HOST]")]
     = None,
-    port: Annotated[int | None, typer.Option(help="port [env LOOPWATCH_OTLP_PORT]")] = None,
+    port: Annotated[int | None, typer.Option(help="port [env LOOPWATCH_OTLP_PORT]",
+                                             callback=port_number)] = None,
     token: Annotated[str | None, typer.Option(
         help="require this bearer token [env LOOPWATCH_OTLP_TOKEN]")] = None,
     data_dir: DataDir = None,
@@ -81,18 +83,27 @@ def _run_import(settings: Settings, path: Path, records: Any, wait_timeout: floa
 
     size = path.stat().st_size
     show = console.is_terminal
+
+    def sent(offset: int) -> None:
+        progress.update(task, completed=offset)
+        plain.update([f"sending {path.name}", f"{offset} of {size} bytes"], phase="sending")
+
+    def stored_so_far(done: int) -> None:
+        progress.update(task, completed=done)
+        plain.update(["waiting until stored", f"{done} of {len(delivery.ids)} events"],
+                     phase="waiting")
+
     try:
-        with open_target(settings, console.print) as target:
+        with open_target(settings, console.print) as target, LiveLine(
+                console, enabled=not show) as plain:  # the progress bars need a terminal
             delivery = Delivery(settings, target)
             try:
                 with _progress(size, show) as progress:
                     task = progress.add_task(f"sending {path.name}", total=size)
-                    summary = deliver(records, delivery, report,
-                                      lambda offset: progress.update(task, completed=offset))
+                    summary = deliver(records, delivery, report, sent)
                 with Progress(console=console, transient=True, disable=not show) as progress:
                     task = progress.add_task("waiting until stored", total=len(delivery.ids))
-                    stored, dead = delivery.wait_stored(
-                        wait_timeout, lambda done: progress.update(task, completed=done))
+                    stored, dead = delivery.wait_stored(wait_timeout, stored_so_far)
             finally:
                 delivery.close()
     except ImportFailed as exc:
@@ -159,7 +170,7 @@ def transcript(
 
 def register(app: typer.Typer) -> None:
     """Add the ``ingest`` sub-app (serve, file, transcript) to the main CLI."""
-    ingest_app = typer.Typer(no_args_is_help=True,
+    ingest_app = typer.Typer(no_args_is_help=True, rich_markup_mode=HELP_MARKUP,
                              help="Bring data in: OTLP/HTTP receiver and file imports.")
     ingest_app.command("serve")(serve)
     ingest_app.command("file")(file)
@@ -168,7 +179,8 @@ def register(app: typer.Typer) -> None:
 
 
 def main() -> None:
-    app = typer.Typer(no_args_is_help=True, add_completion=False)
+    app = typer.Typer(no_args_is_help=True, add_completion=False,
+                      rich_markup_mode=HELP_MARKUP)
     register(app)
 
     @app.callback()

@@ -13,22 +13,27 @@ import typer
 from rich.console import Console
 
 from loopwatch.cliargs import (
+    HELP_MARKUP,
     DataDir,
     DebugFlag,
     ErrorContract,
     JsonFlag,
+    Limit,
     UsageError,
     console,
+    port_number,
+    positive,
     settings_from,
 )
 from loopwatch.render import fitted
 
-app = typer.Typer(cls=ErrorContract, no_args_is_help=True, add_completion=False,
+app = typer.Typer(cls=ErrorContract, rich_markup_mode=HELP_MARKUP,
+                  no_args_is_help=True, add_completion=False,
                   help="Streaming observability and anomaly detection for LLM agent fleets.")
-dlq_app = typer.Typer(no_args_is_help=True,
+dlq_app = typer.Typer(no_args_is_help=True, rich_markup_mode=HELP_MARKUP,
                       help="Dead letters: input the pipeline refused or failed on.")
 app.add_typer(dlq_app, name="dlq")
-scenario_app = typer.Typer(no_args_is_help=True,
+scenario_app = typer.Typer(no_args_is_help=True, rich_markup_mode=HELP_MARKUP,
                            help="Incident scenarios: inject failure modes, score the alerting.")
 app.add_typer(scenario_app, name="scenario")
 out = Console()
@@ -47,7 +52,8 @@ def print_table(columns: list[str], rows: list[list[Any]], title: str | None = N
 def up(
     data_dir: DataDir = None,
     otlp_port: Annotated[int | None, typer.Option(
-        help="OTLP/HTTP receiver port [env LOOPWATCH_OTLP_PORT, default 4318]")] = None,
+        help="OTLP/HTTP receiver port [env LOOPWATCH_OTLP_PORT, default 4318]",
+        callback=port_number)] = None,
 ) -> None:
     """Run broker (unless configured), processors and the store service until Ctrl-C."""
     from loopwatch.embedded.lifecycle import BrokerError
@@ -63,7 +69,10 @@ def up(
             console.print(f"OTLP/HTTP: {info['otlp_url']}/v1/traces")
         console.print("processing; Ctrl-C drains and stops")
 
+    latest: dict[str, Any] = {}
+
     def progress(status: dict[str, Any]) -> None:
+        latest.update(status)  # its "counters" is the processors' live dict: read at the end
         counters = status["counters"]
         failed = counters["processing_errors"]
         console.print(
@@ -79,6 +88,23 @@ def up(
     except BrokerError as exc:
         console.print(f"loopwatch up: {exc}", markup=False, highlight=False)
         raise typer.Exit(1) from None
+    stored = latest.get("counters", {}).get("events")
+    console.print("stopped" if stored is None else f"stopped: {stored} events stored",
+                  markup=False, highlight=False)
+
+
+@app.command()
+def status(data_dir: DataDir = None, as_json: JsonFlag = False) -> None:
+    """Is `up` running on this data dir: its store, broker, OTLP endpoint, how far behind
+    the processors are, dead letters, firing alerts."""
+    from loopwatch.status import gather, lines
+
+    current = gather(settings_from(data_dir))
+    if as_json:
+        sys.stdout.write(json.dumps(current, default=str) + "\n")
+        return
+    for line in lines(current):
+        out.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -92,8 +118,9 @@ def worker(data_dir: DataDir = None) -> None:
 @app.command()
 def demo(
     data_dir: DataDir = None,
-    duration: Annotated[float, typer.Option(help="seconds of simulated traffic")] = 60.0,
-    rate: Annotated[float, typer.Option(help="new runs per second")] = 4.0,
+    duration: Annotated[float, typer.Option(help="seconds of simulated traffic",
+                                            callback=positive)] = 60.0,
+    rate: Annotated[float, typer.Option(help="new runs per second", callback=positive)] = 4.0,
     seed: Annotated[int, typer.Option(help="simulator seed")] = 7,
     as_json: JsonFlag = False,
 ) -> None:
@@ -117,9 +144,11 @@ def query(
     sql: Annotated[str, typer.Argument(help="a read-only ClickHouse query")],
     data_dir: DataDir = None,
     as_json: JsonFlag = False,
+    create: Annotated[bool, typer.Option(
+        "--create", help="create an empty store if the data dir holds none")] = False,
 ) -> None:
     """Run a read-only query in loopwatch's database (through a running `up` if any)."""
-    _print_query(data_dir, sql, {}, as_json)
+    _print_query(data_dir, sql, {}, as_json, create=create)
 
 
 @app.command()
@@ -159,13 +188,13 @@ def _key_values(items: list[str]) -> dict[str, str]:
 
 
 def _print_query(data_dir: Path | None, sql: str, parameters: dict[str, Any], as_json: bool,
-                 title: str | None = None) -> None:
-    from loopwatch.store.reader import QueryError, open_reader
+                 title: str | None = None, create: bool = False) -> None:
+    from loopwatch.store.reader import QueryError
     from loopwatch.store.service import dumps
 
-    settings = settings_from(data_dir)
+    reader, store = open_checked(settings_from(data_dir), create)
     try:
-        result = open_reader(settings).query(sql, parameters)
+        result = reader.query(sql, parameters)
     except QueryError as exc:
         console.print(f"[red]query failed:[/red] {exc}")
         raise typer.Exit(1) from None
@@ -173,28 +202,43 @@ def _print_query(data_dir: Path | None, sql: str, parameters: dict[str, Any], as
         sys.stdout.write(dumps(result.records()).decode() + "\n")
     else:
         print_table(result.columns, result.rows, title=title)
+    said(store)
+
+
+def open_checked(settings: Any, create: bool = False) -> tuple[Any, str]:
+    """The store's reader and description, refusing a data dir that holds none
+    (loopwatch.storecheck; imported here, not at start, like every store module)."""
+    from loopwatch.storecheck import open_checked as checked
+
+    return checked(settings, create)
+
+
+def said(store: str) -> None:
+    """Which store was read, on stderr (after the result: an error stays one line)."""
+    console.print(store, markup=False, highlight=False)
 
 
 @app.command()
 def alerts(
     data_dir: DataDir = None,
-    limit: Annotated[int, typer.Option(help="newest N")] = 50,
+    limit: Limit = 50,
     as_json: JsonFlag = False,
 ) -> None:
     """Firing alerts first, then recent ones, with their playbooks."""
-    from loopwatch.store.reader import open_reader
     from loopwatch.store.service import dumps
 
-    settings = settings_from(data_dir)
-    result = open_reader(settings).query(ALERTS_SQL, {"limit": limit})
+    reader, store = open_checked(settings_from(data_dir))
+    result = reader.query(ALERTS_SQL, {"limit": limit})
     if as_json:
         records = result.records()
         for record in records:
             record["evidence"] = json.loads(record["evidence"] or "{}")
         sys.stdout.write(dumps(records).decode() + "\n")
-        return
-    columns = ["state", "severity", "rule", "summary", "playbook", "started_at"]
-    print_table(columns, [[r[c] for c in columns] for r in result.records()], title="alerts")
+    else:
+        columns = ["state", "severity", "rule", "summary", "playbook", "started_at"]
+        print_table(columns, [[r[c] for c in columns] for r in result.records()],
+                    title="alerts")
+    said(store)
 
 
 ALERTS_SQL = """
@@ -212,14 +256,16 @@ def playbook(
     agent: Annotated[str, typer.Option(help="investigate this agent ('' = all)")] = "",
     tool: Annotated[str, typer.Option(help="the tool in question, if any")] = "",
     run_id: Annotated[str, typer.Option(help="the run in question, if any")] = "",
-    hours: Annotated[float, typer.Option(help="look back this many hours")] = 24.0,
+    hours: Annotated[float, typer.Option(help="look back this many hours",
+                                         callback=positive)] = 24.0,
     data_dir: DataDir = None,
 ) -> None:
     """Print a playbook and run its investigation queries against the store."""
     from datetime import timedelta
 
-    from detectors.playbooks import load_playbooks, render_markdown
-    from loopwatch.store.reader import QueryError, open_reader
+    from detectors.playbooks import Step, load_playbooks
+    from loopwatch.playbookview import missing_options, print_playbook
+    from loopwatch.store.reader import QueryError
 
     books = load_playbooks()
     if not name:
@@ -230,20 +276,26 @@ def playbook(
         console.print(f"[red]unknown playbook {name!r}[/red]; one of: {', '.join(books)}")
         raise typer.Exit(2)
     chosen = books[name]
-    out.print(render_markdown(chosen), markup=False, highlight=False, soft_wrap=True)
-    reader = open_reader(settings_from(data_dir))
+    reader, store = open_checked(settings_from(data_dir))
     now = datetime.now(UTC)
-    values = {"agent": agent, "tool": tool, "run_id": run_id,
-              "since": now - timedelta(hours=hours), "until": now}
-    for step in chosen.steps:
-        if not step.sql:
-            continue
+    values: dict[str, Any] = {"agent": agent, "tool": tool, "run_id": run_id,
+                              "since": now - timedelta(hours=hours), "until": now}
+
+    def answer(step: Step) -> None:
         try:
-            result = reader.query(step.sql, {k: values[k] for k in step.parameters})
+            result = reader.query(step.sql or "", {k: values[k] for k in step.parameters})
         except QueryError as exc:
             console.print(f"[red]{step.title}: {exc}[/red]")
-            continue
-        print_table(result.columns, result.rows[:20], title=step.title)
+            return
+        print_table(result.columns, result.rows[:20])
+
+    skipped = print_playbook(out, chosen, values, answer)
+    if skipped:
+        options = sorted({o for step in skipped for o in missing_options(step, values)})
+        console.print(f"skipped {len(skipped)} of {len(chosen.sql_steps)} queries: "
+                      f"`loopwatch playbook {name} {' '.join(options)}` runs them",
+                      markup=False, highlight=False)
+    said(store)
 
 
 @app.command()
@@ -308,7 +360,8 @@ def scenario_list() -> None:
 @scenario_app.command("run")
 def scenario_run(
     name: Annotated[str, typer.Argument(help="a scenario from `loopwatch scenario list`")],
-    speed: Annotated[float, typer.Option(help="simulated seconds per real second")] = 60.0,
+    speed: Annotated[float, typer.Option(help="simulated seconds per real second",
+                                         callback=positive)] = 60.0,
     seed: Annotated[int, typer.Option(help="traffic seed")] = 7,
     data_dir: DataDir = None,
     as_json: JsonFlag = False,
@@ -335,9 +388,11 @@ def scenario_run(
 
 @scenario_app.command("score")
 def scenario_score(
-    days: Annotated[float, typer.Option(help="days of clean history loaded first")] = 7.0,
+    days: Annotated[float, typer.Option(help="days of clean history loaded first",
+                                        callback=positive)] = 7.0,
     baseline_hours: Annotated[float, typer.Option(help="clean hours watched for "
-                                                       "false alerts")] = 24.0,
+                                                       "false alerts",
+                                                  callback=positive)] = 24.0,
     only: Annotated[list[str] | None, typer.Option(help="run only these scenarios")] = None,
     seed: Annotated[int, typer.Option(help="traffic seed")] = 7,
     data_dir: DataDir = None,
@@ -384,21 +439,21 @@ def scenario_score(
 @dlq_app.command("list")
 def dlq_list(
     data_dir: DataDir = None,
-    limit: Annotated[int, typer.Option(help="newest N")] = 50,
+    limit: Limit = 50,
     as_json: JsonFlag = False,
 ) -> None:
     """Show dead letters, newest first, with their reasons."""
     from loopwatch.deadletters import list_dead_letters
-    from loopwatch.store.reader import open_reader
 
-    settings = settings_from(data_dir)
-    result = list_dead_letters(open_reader(settings), limit)
+    reader, store = open_checked(settings_from(data_dir))
+    result = list_dead_letters(reader, limit)
     if as_json:
         from loopwatch.store.service import dumps
 
         sys.stdout.write(dumps(result.records()).decode() + "\n")
     else:
         print_table(result.columns, result.rows, title="dead letters")
+    said(store)
 
 
 @dlq_app.command("replay")

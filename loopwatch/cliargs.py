@@ -29,6 +29,9 @@ from loopwatch.config import Settings, load_settings
 from loopwatch.masking import mask_secrets
 
 console = Console(stderr=True, soft_wrap=True)
+#: every command group's help is plain text: as rich markup, its bracketed notes
+#: (``[env LOOPWATCH_DATA_DIR]``, ``[env ..., default 4318]``) were eaten as style tags
+HELP_MARKUP = None
 
 DataDir = Annotated[Path | None, typer.Option("--data-dir", help="state directory "
                                               "[env LOOPWATCH_DATA_DIR]")]
@@ -44,6 +47,37 @@ QUIET_LOGGERS = ("clickhouse_connect",)
 #: modules whose exceptions carry a message for people as they are
 OWN_MODULES = frozenset({"builtins", "loopwatch", "ingest", "processors", "detectors",
                          "dashboards", "bench"})
+
+
+def positive(value: float | None) -> float | None:
+    """An option's callback for a duration, rate, window or count: zero or less would
+    run an empty or endless command, so it is a usage error before anything starts."""
+    if value is not None and value <= 0:
+        raise typer.BadParameter(f"must be more than 0 (got {value:g})")
+    return value
+
+
+def port_number(value: int | None) -> int | None:
+    """An option's callback for a TCP port (0 = any free one)."""
+    if value is not None and not 0 <= value <= 65535:
+        raise typer.BadParameter(f"a port is 0 to 65535 (got {value})")
+    return value
+
+
+def one_of(*allowed: int) -> Any:
+    """An option's callback that takes only the ``allowed`` numbers."""
+
+    def check(value: int | None) -> int | None:
+        if value is not None and value not in allowed:
+            raise typer.BadParameter(
+                f"must be {' or '.join(map(str, allowed))} (got {value})")
+        return value
+
+    return check
+
+
+#: how many rows of a listing to show, newest first
+Limit = Annotated[int, typer.Option(help="newest N", callback=positive)]
 
 
 class UsageError(Exception):
@@ -89,8 +123,9 @@ def report(exc: BaseException, debug: bool) -> int:
     """Print ``exc`` by the contract and return the exit code."""
     if isinstance(exc, _CLICK_EXCEPTION):
         code = int(getattr(exc, "exit_code", 2))
-        if type(exc).__name__ == "NoArgsIsHelpError":  # bare `loopwatch`: typer has
-            return code  # printed the help already
+        if type(exc).__name__ == "NoArgsIsHelpError":  # a bare command group: its help
+            sys.stdout.write(exc.format_message().rstrip("\n") + "\n")  # type: ignore[attr-defined]
+            return code
         context = getattr(exc, "ctx", None)
         hint = f" (see `{context.command_path} --help`)" if context is not None else ""
         message, exit_code = f"{exc.format_message()}{hint}", code  # type: ignore[attr-defined]

@@ -10,10 +10,10 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
-from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
@@ -22,6 +22,7 @@ from ingest.redact import Redactor
 from ingest.sdk import Emitter
 from loopwatch.config import Settings
 from loopwatch.embedded.lifecycle import discard_broker
+from loopwatch.liveline import LiveLine
 from loopwatch.money import usd
 from loopwatch.report import fleet_report
 from loopwatch.simulator import FleetSimulator, SimulatorResult
@@ -63,22 +64,21 @@ ORDER BY severity = 'critical' DESC, severity = 'warning' DESC, rule
 
 
 def _status_line(phase: str, started: float, result: SimulatorResult, emitter: Emitter,
-                 health: dict[str, Any]) -> Table:
+                 health: dict[str, Any]) -> list[str]:
     counters = health.get("counters", {})
-    table = Table.grid(padding=(0, 2))
-    table.add_row(
-        f"[bold]{phase}[/bold]", f"{time.monotonic() - started:5.1f}s",
-        f"runs started {result.runs}", f"events sent {emitter.stats.sent}",
-        f"processed {counters.get('events', 0)}", f"runs closed {counters.get('runs_closed', 0)}",
-        f"dead letters {counters.get('dead_letters', 0)}",
-    )
-    return table
+    return [phase, f"{time.monotonic() - started:5.1f}s", f"runs started {result.runs}",
+            f"events sent {emitter.stats.sent}", f"processed {counters.get('events', 0)}",
+            f"runs closed {counters.get('runs_closed', 0)}",
+            f"dead letters {counters.get('dead_letters', 0)}"]
 
 
-def _wait_until_stored(up: UpProcess, emitter: Emitter, timeout_s: float) -> None:
-    """Every event sent is processed and stored, and no run is left open."""
+def _wait_until_stored(up: UpProcess, emitter: Emitter, timeout_s: float,
+                       on_wait: Callable[[], None] = lambda: None) -> None:
+    """Every event sent is processed and stored, and no run is left open (``on_wait``
+    is called on every poll: the status line)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        on_wait()
         health = up.health()
         processed = health["counters"]["events"]
         if processed >= emitter.stats.sent and health["caught_up"]:
@@ -145,20 +145,27 @@ def run_demo(settings: Settings, duration_s: float, rate: float, seed: int,
         simulator = FleetSimulator(emitter, seed=seed)
         started = time.monotonic()
         stop = threading.Event()
-        with Live(console=console, transient=True, auto_refresh=False,
-                  redirect_stdout=False) as live:
+        with LiveLine(console, enabled=progress) as live:
 
             def tick(result: SimulatorResult) -> None:
                 if progress:
                     live.update(_status_line("simulating", started, result, emitter,
-                                             up.health()), refresh=True)
+                                             up.health()), phase="simulating")
+
+            def draining() -> None:
+                if progress:
+                    live.update(_status_line("draining", started, result, emitter,
+                                             up.health()), phase="draining")
 
             result = simulator.run(duration_s, rate, stop, on_tick=tick)
             emitter.close()
+            draining()
+            _wait_until_stored(up, emitter, timeout_s=settings.abandon_ttl_s * 3 + 120,
+                               on_wait=draining)
             if progress:
-                live.update(_status_line("draining", started, result, emitter, up.health()),
-                            refresh=True)
-            _wait_until_stored(up, emitter, timeout_s=settings.abandon_ttl_s * 3 + 120)
+                live.update(["finishing", f"{time.monotonic() - started:5.1f}s",
+                             "a last detector pass, then the capture decisions"],
+                            phase="finishing")
             time.sleep(settings.detect_interval_s * 2)  # one more detector pass on the end
             _wait_for_captures(up, emitter, timeout_s=60 + 4 * CAPTURE_DECIDE_INTERVAL_S)
         report = fleet_report(up.reader)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import os
 import signal
@@ -287,18 +288,20 @@ def status_moved(last: dict[str, Any], current: dict[str, Any]) -> bool:
 
 
 def _report_status(status: Callable[[], dict[str, Any]],
-                   on_status: Callable[[dict[str, Any]], None], every_s: float) -> None:
+                   on_status: Callable[[dict[str, Any]], None], every_s: float,
+                   stop: threading.Event | None = None) -> None:
     """Call ``on_status`` whenever the counters or retries moved, at most every
-    ``every_s``; a failing call is logged and the next one tried."""
+    ``every_s`` (until ``stop`` is set); a failing call is logged and the next one tried."""
     last: dict[str, Any] = {}
+    stopped = stop or threading.Event()
 
     def loop() -> None:
-        while True:
-            time.sleep(every_s)
+        while not stopped.wait(every_s):
             try:
                 current = status()
                 if status_moved(last, current):
-                    last.update(current)
+                    last.clear()  # a copy: ``current`` holds the live counters dict
+                    last.update(copy.deepcopy({key: current.get(key) for key in STATUS_MOVES}))
                     on_status(current)
             except Exception:
                 log.exception("could not report the status")

@@ -28,6 +28,8 @@ def test_query_goes_through_the_running_service(pipeline):
                        env=pipeline.env)
     assert result.returncode == 0, result.stderr
     assert orjson.loads(result.stdout) == [{"two": 2, "letter": "x"}]
+    chdb = Path(pipeline.env["LOOPWATCH_DATA_DIR"]).resolve() / "chdb"
+    assert result.stderr.startswith(f"store: chdb://{chdb} (through the running up, pid ")
 
 
 def test_query_is_read_only_and_leaves_the_store_writable(pipeline, reader, emitter, agent):
@@ -49,17 +51,6 @@ def test_investigate_runs_a_named_query_and_asks_for_missing_parameters(pipeline
     missing = loopwatch("investigate", "loop_pattern", env=pipeline.env)
     assert missing.returncode == 2
     assert "loop_pattern needs --param run_id=..." in missing.stderr
-
-
-def test_a_playbook_prints_its_markdown_verbatim_on_80_columns(pipeline):
-    """Its SQL is there to be copied and run: no line may be wrapped, no bracket taken
-    for markup."""
-    from detectors.playbooks import load_playbooks, render_markdown
-
-    result = loopwatch("playbook", "agent_stuck_in_loop", env={**pipeline.env,
-                                                               "COLUMNS": "80"})
-    assert result.returncode == 0, result.stderr
-    assert render_markdown(load_playbooks()["agent_stuck_in_loop"]) in result.stdout
 
 
 def test_invalid_settings_get_a_message_a_person_can_act_on(tmp_path: Path):
@@ -180,36 +171,59 @@ def test_the_demo_lists_alerts_with_whole_names_on_80_columns():
     ]
 
 
-def test_a_result_wider_than_the_terminal_is_shown_as_whole_records():
-    """At 80 columns a table would cut the run id and outcome; records keep every value
-    whole. At 200 the same result is a table."""
+def test_a_result_wider_than_the_terminal_stays_a_table_with_cut_cells():
+    """At 80 columns the table keeps its shape: the longest cells are cut with an
+    ellipsis, the run id (what a reader copies next) last, and the caption says where
+    the whole values are. At 200 the same result is shown whole."""
     from loopwatch.render import fitted
 
-    columns = ["run_id", "agent", "outcome", "steps", "tool_calls", "cost_usd"]
-    rows = [["58765393e407ae63b787af21a7c8b91b", "research-agent", "budget_exhausted", 14,
-             14, 1.1948], ["edf92beef31c", "sql-analyst", None, 3, 0, 0.0801]]
+    columns = ["run_id", "agent", "outcome", "summary", "cost_usd"]
+    rows = [["58765393e407ae63b787af21a7c8b91b", "research-agent", "budget_exhausted",
+             "spent its whole budget of 14 steps on web_search without an answer", 1.1948],
+            ["edf92beef31c", "sql-analyst", None, "ok", 0.0801]]
 
     def shown(width: int) -> list[str]:
         return _shown(lambda console: console.print(fitted(console, columns, rows,
                                                            title="top")), width)
 
-    assert shown(80) == [
-        "top",
-        "record 1 " + "─" * 71,
-        "run_id      58765393e407ae63b787af21a7c8b91b",
-        "agent       research-agent",
-        "outcome     budget_exhausted",
-        "steps       14",
-        "tool_calls  14",
-        "cost_usd    1.1948",
-        "record 2 " + "─" * 71,
-        "run_id      edf92beef31c",
-        "agent       sql-analyst",
-        "outcome",
-        "steps       3",
-        "tool_calls  0",
-        "cost_usd    0.0801",
-    ]
-    (first_row,) = [line for line in shown(200) if "58765393" in line]
-    assert first_row.split("│")[1:4] == [" 58765393e407ae63b787af21a7c8b91b ", " research-agent ",
-                                        " budget_exhausted "]
+    narrow = shown(80)
+    assert max(len(line) for line in narrow) <= 80
+    (first_row,) = [line for line in narrow if "58765393" in line]
+    cells = [cell.strip() for cell in first_row.split("│")[1:-1]]
+    assert cells == ["58765393e407ae63b787af21a7c8b91b", "researc…", "budget_…", "spent i…",
+                     "1.1948"]
+    assert narrow[-1].strip() == "cut to fit 80 columns: --json prints every value whole"
+    wide = shown(200)
+    (first_row,) = [line for line in wide if "58765393" in line]
+    assert [c.strip() for c in first_row.split("│")[1:-1]] == [str(v) for v in rows[0]]
+    assert not any("cut to fit" in line for line in wide)
+
+
+def test_an_empty_result_says_no_rows():
+    from loopwatch.render import fitted
+
+    assert _shown(lambda console: console.print(fitted(console, ["a", "b"], [],
+                                                       title="dead letters"))) == [
+        "dead letters", "no rows"]
+    assert _shown(lambda console: console.print(fitted(console, ["a"], []))) == ["no rows"]
+
+
+def test_query_and_investigate_say_no_rows_for_an_empty_result(local_store):
+    from typer.testing import CliRunner
+
+    from loopwatch.cli import app
+
+    settings, _ = local_store
+    runner = CliRunner()
+    env = {"COLUMNS": "80", "LOOPWATCH_CLICKHOUSE_URL": None, "LOOPWATCH_KAFKA_BOOTSTRAP": None}
+    empty = runner.invoke(app, ["query", "SELECT 1 AS x WHERE 0", "--data-dir",
+                                str(settings.data_dir)], env=env)
+    assert empty.exit_code == 0, empty.output
+    assert empty.stdout == "no rows\n"
+    none = runner.invoke(app, ["investigate", "loop_pattern", "--param", "run_id=no-such-run",
+                               "--data-dir", str(settings.data_dir)], env=env)
+    assert none.exit_code == 0, none.output
+    assert none.stdout.endswith("the same arguments, and where.\nno rows\n")
+    as_json = runner.invoke(app, ["query", "--json", "SELECT 1 AS x WHERE 0", "--data-dir",
+                                  str(settings.data_dir)], env=env)
+    assert as_json.stdout == "[]\n"

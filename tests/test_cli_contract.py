@@ -65,6 +65,7 @@ CASES: dict[str, tuple[list[str], int]] = {
     "scenario score": (["--days", "a-week"], 2),
     "schema": (["/proc/no/such/dir/schema.json"], 1),
     "serve": ([], 1),
+    "status": ([], 1),
     "up": ([], 1),
     "worker": ([], 1),
 }
@@ -73,7 +74,7 @@ CASES: dict[str, tuple[list[str], int]] = {
 EXTRA_CASES: list[tuple[list[str], int]] = [
     (["investigate", "top_cost_runs", "--param", "foo"], 2),
     (["investigate", "top_cost_runs", "--param", "=value"], 2),
-    (["query", "KILL QUERY WHERE 1"], 1),
+    (["query", "--create", "KILL QUERY WHERE 1"], 1),  # a store to refuse it in
     (["query", "--no-such-option", "SELECT 1"], 2),
     (["no-such-command"], 2),
 ]

@@ -4,6 +4,7 @@ through the CLI into the real pipeline (and with no `loopwatch up` running at al
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
@@ -203,6 +204,10 @@ def test_ingest_file_exits_once_every_event_is_stored(pipeline, reader, agent, t
     assert result.returncode == 0, result.stderr
     assert "skipped line 6: malformed JSON" in result.stderr
     assert "12 events (12 stored, 0 dead-lettered), 1 bad records skipped" in result.stderr
+    # captured, not a terminal: the progress bars' plain lines (loopwatch.liveline)
+    assert re.search(rf"^sending events.jsonl  \d+ of {path.stat().st_size} bytes$",
+                     result.stderr, re.M)
+    assert re.search(r"^waiting until stored  \d+ of 12 events$", result.stderr, re.M)
     # no waiting here: the command returned only once everything was stored
     stored = reader.query("SELECT count() FROM events FINAL WHERE agent = {a:String}",
                           {"a": agent}).scalar()

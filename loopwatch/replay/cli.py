@@ -16,7 +16,7 @@ from rich.console import Console, Group
 from rich.panel import Panel
 from rich.text import Text
 
-from loopwatch.cliargs import DataDir, JsonFlag, console, settings_from
+from loopwatch.cliargs import DataDir, JsonFlag, console, positive, settings_from
 from loopwatch.money import usd
 from loopwatch.replay.diff import diff_json
 from loopwatch.replay.recording import Recording, RunNotFound, Step, load_recording
@@ -31,9 +31,12 @@ FullFlag = Annotated[bool, typer.Option("--full", help="print every body in full
 
 def _reader(data_dir: Path | None) -> Reader:
     from loopwatch.store.reader import open_reader
+    from loopwatch.storecheck import store_to_read
 
+    settings = settings_from(data_dir)
+    store_to_read(settings)  # a data dir without a store is refused, not created
     try:
-        return open_reader(settings_from(data_dir))
+        return open_reader(settings)
     except QueryError as exc:
         console.print(f"[red]cannot read the store:[/red] {exc}")
         raise typer.Exit(1) from None
@@ -208,7 +211,8 @@ def diff_command(
 
 def economics_command(
     agent: Annotated[str, typer.Argument(help="the agent")],
-    days: Annotated[float, typer.Option(help="window of closed runs, days")] = 7.0,
+    days: Annotated[float, typer.Option(help="window of closed runs, days",
+                                        callback=positive)] = 7.0,
     data_dir: DataDir = None,
     as_json: JsonFlag = False,
 ) -> None:

@@ -1,0 +1,53 @@
+"""Long commands' status lines with the output captured (not a terminal): plain lines,
+when the phase changes and every 5 s of the command's clock, instead of nothing."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from loopwatch.liveline import LiveLine
+
+
+def test_off_a_terminal_the_status_is_printed_as_plain_lines_every_5_s_and_on_each_phase():
+    output = io.StringIO()
+    console = Console(file=output, force_terminal=False, width=200)
+    assert not console.is_terminal
+    now = [0.0]
+    with LiveLine(console, clock=lambda: now[0]) as line:
+        for now[0], events in [(0.0, 0), (0.5, 10), (4.9, 80), (5.0, 90), (7.0, 120),
+                               (10.1, 160)]:
+            line.update(["simulating", f"events sent {events}"], phase="simulating")
+        now[0] = 10.6
+        line.update(["draining", "events sent 160"], phase="draining")
+        now[0] = 11.0
+        line.update(["draining", "events sent 160"], phase="draining")
+    assert output.getvalue().splitlines() == [
+        "simulating  events sent 0",
+        "simulating  events sent 90",
+        "simulating  events sent 160",
+        "draining  events sent 160",
+    ]
+
+
+def test_a_disabled_line_prints_nothing():
+    output = io.StringIO()
+    with LiveLine(Console(file=output, force_terminal=False), enabled=False) as line:
+        line.update(["simulating", "events sent 1"])
+    assert output.getvalue() == ""
+
+
+def test_a_piped_demo_prints_its_progress(tmp_path):
+    """``loopwatch demo`` with its output captured: progress lines while it simulates and
+    while it drains, not two lines and then silence until the report."""
+    from tests.test_cli import loopwatch
+
+    result = loopwatch("demo", "--duration", "6", "--rate", "2", "--data-dir", str(tmp_path),
+                       env={"COLUMNS": "200"}, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stderr.splitlines()
+    simulating = [line for line in lines if line.startswith("simulating  ")]
+    draining = [line for line in lines if line.startswith("draining  ")]
+    assert simulating and draining, result.stderr[-3000:]
+    assert "events sent" in simulating[0] and "runs closed" in draining[-1]

@@ -125,6 +125,8 @@ def test_http_endpoints(server, seeded):
     status, _, body = get(f"{server}api/panel/cost_per_minute")
     assert status == 200 and json.loads(body)["series"]
     assert get(f"{server}api/panel/nope")[0] == 404
+    status, _, body = get(f"{server}api/health")
+    assert (status, json.loads(body)) == (200, {"ok": True, "store": "ok"})
     assert get(f"{server}api/panel/outcome_mix?from=abc")[0] == 400
     assert get(f"{server}static/../server.py")[0] == 404
     assert get(f"{server}static/%2e%2e/server.py")[0] == 404

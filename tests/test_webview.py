@@ -210,7 +210,7 @@ def test_idle_connections_cannot_fill_the_web_view(seeded, monkeypatch):
     try:
         wait_for(lambda: server.connection_states()["awaiting_headers"] == 4, 60,
                  what="4 idle connections held")
-        assert raw_get(url, "/api/health")[:3:2] == (200, b'{"ok":true}')
+        assert raw_get(url, "/api/health")[:3:2] == (200, b'{"ok":true,"store":"ok"}')
         assert server.stats.evicted == 1
         assert idle[0].recv(1) == b""  # the oldest was closed; the others are held
         wait_for(lambda: server.connection_states() == {"awaiting_headers": 3}, 60,

@@ -298,7 +298,8 @@ def render_sql(cluster: str, database: str = "loopwatch") -> str:
         f"--cluster {cluster} --database {database}`",
         "-- from loopwatch/store/migrations/*.sql; do not edit, re-render after a migration.",
         "-- Tables are <name>_local (Replicated*MergeTree) + <name> (Distributed); run it",
-        "-- once against any node: every statement is ON CLUSTER and idempotent.",
+        "-- once against any node: every statement is ON CLUSTER and idempotent, except",
+        "-- RENAME COLUMN, which a cluster that has applied it must skip (docs/operations.md).",
         "",
     ]
     for title, section in _sections(cluster, database, single_node=False):

@@ -94,7 +94,7 @@ def serve_command(
 
     settings = settings_from(data_dir)
     try:
-        reader = open_reader(settings)
+        reader = open_reader(settings, follow=True)
     except QueryError as exc:
         console.print(f"[red]cannot open the store:[/red] {exc}")
         raise typer.Exit(1) from None

@@ -221,8 +221,8 @@ ORDER BY time, provider_name""",
         "cache_read / (cache_read + cache_creation + uncached input). An agent near 0 "
         "pays full price for every prompt: a silent cache miss.",
         f"""SELECT $__timeInterval(minute) AS time, agent,
-       sum(cache_read_tokens) / nullIf(sum(cache_read_tokens + cache_creation_tokens
-           + uncached_input_tokens), 0) AS cache_hit_rate
+       sum(cache_read_input_tokens) / nullIf(sum(cache_read_input_tokens
+           + cache_creation_input_tokens + uncached_input_tokens), 0) AS cache_hit_rate
 FROM cache_metrics_1m
 WHERE $__timeFilter(minute) AND {ALL_FILTERS}
 GROUP BY time, agent
@@ -404,8 +404,8 @@ ORDER BY min(steps)""",
         "A prompt version or deployment whose line sits near 0 misses the cache on "
         "every call (a volatile prefix, a reordered tool list).",
         f"""SELECT {bucket("minute")} AS time, prompt_version, deployment,
-       sum(cache_read_tokens) / nullIf(sum(cache_read_tokens + cache_creation_tokens
-           + uncached_input_tokens), 0) AS cache_hit_rate
+       sum(cache_read_input_tokens) / nullIf(sum(cache_read_input_tokens
+           + cache_creation_input_tokens + uncached_input_tokens), 0) AS cache_hit_rate
 FROM cache_metrics_1m
 WHERE $__timeFilter(minute) AND {ALL_FILTERS}
 GROUP BY time, prompt_version, deployment
@@ -448,14 +448,15 @@ LIMIT 200""",
         "What the run was, how it ended and what it cost.",
         f"""SELECT run_id, agent, task_type, model, prompt_version, deployment, traffic_slice,
        status, outcome, terminal_reason, steps, llm_calls, tool_calls,
-       tool_errors + llm_errors AS errors, input_tokens, output_tokens, cache_read_tokens,
+       tool_errors + llm_errors AS errors, input_tokens, output_tokens, cache_read_input_tokens,
        cost_usd, loop_detected, loop_summary, started_ts, closed_ts
 FROM runs FINAL
 WHERE {RUN}""",
         "table", ("run_id", "agent", "task_type", "model", "prompt_version", "deployment",
                   "traffic_slice", "status", "outcome", "terminal_reason", "steps", "llm_calls",
-                  "tool_calls", "errors", "input_tokens", "output_tokens", "cache_read_tokens",
-                  "cost_usd", "loop_detected", "loop_summary", "started_ts", "closed_ts"),
+                  "tool_calls", "errors", "input_tokens", "output_tokens",
+                  "cache_read_input_tokens", "cost_usd", "loop_detected", "loop_summary",
+                  "started_ts", "closed_ts"),
         column_units={"cost_usd": "currencyUSD", "started_ts": "dateTimeAsIso",
                       "closed_ts": "dateTimeAsIso"},
         colors=OUTCOME_COLORS, color_columns=("status", "outcome"), width=24, height=5,

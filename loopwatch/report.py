@@ -24,8 +24,8 @@ TOOLS_SQL = """
 SELECT agent, sum(near_misses), sum(timeouts_known_duration) FROM tool_metrics_1m GROUP BY agent
 """
 CACHE_SQL = """
-SELECT agent, sum(cache_read_tokens),
-       sum(cache_read_tokens + cache_creation_tokens + uncached_input_tokens)
+SELECT agent, sum(cache_read_input_tokens),
+       sum(cache_read_input_tokens + cache_creation_input_tokens + uncached_input_tokens)
 FROM cache_metrics_1m GROUP BY agent
 """
 

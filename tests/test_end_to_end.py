@@ -54,9 +54,10 @@ def test_near_miss_timeout_ratio(fleet, reader):
 def test_cache_hit_rate(fleet, reader):
     agent, _ = fleet
     read, write, uncached, rate = reader.query(
-        "SELECT sum(cache_read_tokens), sum(cache_creation_tokens), sum(uncached_input_tokens),"
-        " sum(cache_read_tokens) / sum(cache_read_tokens + cache_creation_tokens + "
-        "uncached_input_tokens) FROM cache_metrics_1m WHERE agent = {a:String}",
+        "SELECT sum(cache_read_input_tokens), sum(cache_creation_input_tokens), "
+        "sum(uncached_input_tokens), sum(cache_read_input_tokens) / sum(cache_read_input_tokens"
+        " + cache_creation_input_tokens + uncached_input_tokens) FROM cache_metrics_1m "
+        "WHERE agent = {a:String}",
         {"a": agent}).rows[0]
     assert (read, write, uncached) == (scripted.CACHE_READ, scripted.CACHE_WRITE,
                                        scripted.UNCACHED)

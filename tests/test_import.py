@@ -230,7 +230,7 @@ def test_ingest_transcript_labels_runs_by_their_reward(pipeline, reader, agent, 
     assert result.returncode == 0, result.stderr
     assert "skipped record 4: no 'messages' list of messages" in result.stderr
     rows = reader.query("SELECT run_id, outcome, steps, tool_calls, tool_errors, llm_calls, "
-                        "input_tokens, cache_read_tokens FROM runs FINAL "
+                        "input_tokens, cache_read_input_tokens FROM runs FINAL "
                         "WHERE agent = {a:String} ORDER BY run_id", {"a": agent}).rows
     assert rows == [[f"{agent}-right", "success", 2, 2, 1, 1, 1200, 1000],
                     [f"{agent}-unknown", "unknown", 2, 2, 1, 1, 1200, 1000],

@@ -45,7 +45,7 @@ BASELINE_SHA256 = {
     "005_capture.sql": "01a58ad02ece43531633d61c90745016f754a71fda3813c1ee4be3c81ba4d1b2",
     "006_events_in.sql": "207a5e23d2e481f2f69a034dde938b1e4d8af2aa25817e02bb091bedf6006573",
 }
-NEW = ["007_ingested_at.sql", "008_minutes.sql"]
+NEW = ["007_ingested_at.sql", "008_minutes.sql", "009_cache_token_names.sql"]
 #: tables that gained ingested_at in 007 (events had it)
 GAINED = ("llm_calls", "tool_calls", "runs", "labels", "annotations")
 
@@ -82,13 +82,14 @@ def _tables(client: Client, database: str) -> list[str]:
 
 
 def _contents(client: Client, database: str) -> dict[str, list[tuple[Any, ...]]]:
-    """Every row of every table (the columns main had), sorted."""
+    """Every row of every table (the columns main had, by position: a renamed column
+    keeps its place; ALIAS columns store nothing), sorted."""
     found = {}
     for table in _tables(client, database):
         columns = ", ".join(f"toString(`{name}`)" for (name,) in client.query(
             "SELECT name FROM system.columns WHERE database = {d:String} AND "
             "table = {t:String} AND NOT (name = 'ingested_at' AND table IN {g:Array(String)})"
-            " ORDER BY position", parameters={"d": database, "t": table, "g": list(GAINED)}
+            " AND default_kind != 'ALIAS' ORDER BY position", parameters={"d": database, "t": table, "g": list(GAINED)}
         ).result_rows)
         found[table] = sorted(tuple(row) for row in client.query(
             f"SELECT {columns} FROM {database}.{table}").result_rows)
@@ -186,6 +187,11 @@ def test_the_single_node_cluster_ddl_upgrades_and_records_what_it_applied(local_
                 " AND table = {t:String} AND name = 'ingested_at'",
                 parameters={"d": settings.database, "t": name}).result_rows
             assert default == [("now64(3)",)], name
+    for name in ("llm_calls", "llm_calls_local", "runs", "runs_local"):
+        assert _kinds(client, settings.database, name) == {
+            "cache_read_input_tokens": ("", ""), "cache_creation_input_tokens": ("", ""),
+            "cache_read_tokens": ("ALIAS", "cache_read_input_tokens"),
+            "cache_creation_tokens": ("ALIAS", "cache_creation_input_tokens")}, name
     assert [name for name, _digest, how in _records(client, settings.database)
             if how == "cluster.sql"] == [name for name, _ in migrations()]
     migrated = connect(settings)
@@ -208,8 +214,75 @@ def test_the_cluster_ddl_alters_local_and_distributed_tables_on_cluster():
                 "ingested_at SETTINGS mutations_sync = 2") in ddl
         assert not any(s.startswith(f"ALTER TABLE lw.{table} ON CLUSTER prod MATERIALIZE")
                        for s in ddl), "a mutation on a Distributed table"
+    for table in ("llm_calls", "runs"):
+        for name in (f"{table}_local", table):
+            assert (f"ALTER TABLE lw.{name} ON CLUSTER prod RENAME COLUMN IF EXISTS "
+                    "cache_read_tokens TO cache_read_input_tokens") in ddl
+            assert (f"ALTER TABLE lw.{name} ON CLUSTER prod ADD COLUMN IF NOT EXISTS "
+                    "cache_read_tokens UInt64 ALIAS cache_read_input_tokens") in ddl
     assert "ALTER TABLE lw.pipeline_gauges_local ON CLUSTER prod MODIFY TTL ts + INTERVAL " \
            "30 DAY" in ddl
     record = next(s for s in ddl if s.startswith(f"CREATE TABLE IF NOT EXISTS lw.{RECORD_TABLE}"))
     assert "ReplicatedReplacingMergeTree('/clickhouse/tables/all/{database}/" \
            "schema_migrations', '{replica}', applied_at)" in record
+
+
+#: the prompt-cache token columns 009 renames to the SDK's names (old -> new)
+RENAMED = {"cache_read_tokens": "cache_read_input_tokens",
+           "cache_creation_tokens": "cache_creation_input_tokens"}
+
+
+def _kinds(client: Client, database: str, table: str) -> dict[str, tuple[str, str]]:
+    return {name: (kind, expression) for name, kind, expression in client.query(
+        "SELECT name, default_kind, default_expression FROM system.columns WHERE database = "
+        "{d:String} AND table = {t:String} AND name LIKE 'cache\\_%\\_tokens'",
+        parameters={"d": database, "t": table}).result_rows}
+
+
+def test_the_cache_token_columns_take_the_sdk_names_and_keep_the_old_as_aliases(local_store):
+    """Issue 26 item 15: a store made by main (cache columns under the old names, with
+    values) upgrades to the SDK's names; the old names read the same values as ALIAS
+    columns; the per-minute view answers under both; 009 can run again (a crash after
+    its statements, before its record); a fresh store has the same columns."""
+    settings = _settings(local_store)
+    old = _load_main_store(settings)
+    old.command("INSERT INTO llm_calls (event_id, ts, run_id, agent, model, cache_read_tokens,"
+                " cache_creation_tokens, uncached_input_tokens) VALUES "
+                "(generateUUIDv4(), now64(3), 'fx-cache', 'fx-cache', 'm', 800, 200, 100), "
+                "(generateUUIDv4(), now64(3), 'fx-cache', 'fx-cache', 'm', 300, 0, 50)")
+    old.command("INSERT INTO runs (run_id, agent, status, started_ts, last_event_ts, "
+                "cache_read_tokens, cache_creation_tokens, version) VALUES "
+                "('fx-cache', 'fx-cache', 'running', now64(3), now64(3), 1100, 200, 1)")
+    client = migrate(settings)
+
+    expected = {new: ("", "") for new in RENAMED.values()} | {
+        old_name: ("ALIAS", new) for old_name, new in RENAMED.items()}
+    assert _kinds(client, settings.database, "llm_calls") == expected
+    assert _kinds(client, settings.database, "runs") == expected
+    both = ("cache_read_input_tokens, cache_read_tokens, cache_creation_input_tokens, "
+            "cache_creation_tokens")
+    assert client.query(f"SELECT {both} FROM llm_calls WHERE run_id = 'fx-cache' "
+                        "ORDER BY cache_read_input_tokens").result_rows == [
+        (300, 300, 0, 0), (800, 800, 200, 200)]
+    assert client.query(f"SELECT {both} FROM runs FINAL WHERE run_id = 'fx-cache'"
+                        ).result_rows == [(1100, 1100, 200, 200)]
+    assert client.query(f"SELECT {both}, round(cache_hit_rate, 4) FROM cache_metrics_1m "
+                        "WHERE agent = 'fx-cache'").result_rows == [
+        (1100, 1100, 200, 200, round(1100 / 1450, 4))]
+    client.command("INSERT INTO llm_calls (event_id, ts, run_id, agent, cache_read_input_tokens)"
+                   " VALUES (generateUUIDv4(), now64(3), 'fx-new', 'fx-cache', 7)")
+    assert client.query("SELECT cache_read_tokens FROM llm_calls WHERE run_id = 'fx-new'"
+                        ).result_rows == [(7,)]
+
+    client.command(f"DELETE FROM {RECORD_TABLE} WHERE name = '009_cache_token_names.sql'")
+    assert apply_migrations(client, settings.database) == ["009_cache_token_names.sql"]
+    assert _kinds(client, settings.database, "llm_calls") == expected
+    assert client.query(f"SELECT {both} FROM runs FINAL WHERE run_id = 'fx-cache'"
+                        ).result_rows == [(1100, 1100, 200, 200)]
+
+    fresh = _settings(local_store)
+    fresh_client = migrate(fresh)
+    assert _kinds(fresh_client, fresh.database, "llm_calls") == expected
+    assert _kinds(fresh_client, fresh.database, "runs") == expected
+    for database in (settings.database, fresh.database):
+        client.command(f"DROP DATABASE {database}")

@@ -406,7 +406,7 @@ def _agent_spans(agent: str, exporter: Any) -> TracerProvider:
 
 
 RUN_SQL = ("SELECT outcome, llm_calls, tool_calls, input_tokens, output_tokens, "
-           "cache_read_tokens FROM runs FINAL WHERE agent = {a:String}")
+           "cache_read_input_tokens FROM runs FINAL WHERE agent = {a:String}")
 CLOSED_SQL = "SELECT count() FROM runs FINAL WHERE agent = {a:String} AND status = 'closed'"
 
 
@@ -423,7 +423,7 @@ def test_otel_sdk_protobuf_exporter_end_to_end_with_exact_tokens(receiver, reade
     _wait_closed(reader, agent)
     assert reader.query(RUN_SQL, {"a": agent}).rows == [["success", 2, 1, 1500, 100, 1000]]
     calls = reader.query("SELECT model, provider, input_tokens, output_tokens, "
-                         "cache_read_tokens, uncached_input_tokens FROM llm_calls FINAL "
+                         "cache_read_input_tokens, uncached_input_tokens FROM llm_calls FINAL "
                          "WHERE agent = {a:String} ORDER BY input_tokens", {"a": agent}).rows
     assert calls == [["gpt-4o", "openai", 300, 20, 0, 300],
                      ["gpt-4o", "openai", 1200, 80, 1000, 200]]

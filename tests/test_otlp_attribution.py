@@ -113,7 +113,7 @@ def test_every_row_of_a_trace_has_the_trace_agent(receiver, reader, service, roo
         "runs FINAL": [expected], "llm_calls FINAL": [expected],
         "tool_calls FINAL": [expected], "cache_metrics_1m": [expected]}
     metrics = reader.query(
-        "SELECT agent, calls, cache_read_tokens, uncached_input_tokens FROM cache_metrics_1m "
+        "SELECT agent, calls, cache_read_input_tokens, uncached_input_tokens FROM cache_metrics_1m "
         "WHERE deployment = {d:String}", {"d": deployment}).rows
     assert metrics == [[expected, 1, 1000, 200]]
 

@@ -65,7 +65,7 @@ def test_web_view_without_the_token_answers_401_for_api_pages_and_static_files(g
 
 def test_web_view_with_the_token_as_bearer_cookie_or_once_in_the_address(guarded):
     bearer = {"Authorization": f"Bearer {TOKEN}"}
-    assert get(guarded + "/api/health", bearer)[:3:2] == (200, b'{"ok":true}')
+    assert get(guarded + "/api/health", bearer)[:3:2] == (200, b'{"ok":true,"store":"ok"}')
     assert get(guarded + "/", bearer)[0] == 200
     status, headers, _ = get(guarded + f"/?token={TOKEN}&x=1")
     assert (status, headers["Location"]) == (302, "/?x=1")

@@ -125,6 +125,8 @@ def test_http_endpoints(server, seeded):
     status, _, body = get(f"{server}api/panel/cost_per_minute")
     assert status == 200 and json.loads(body)["series"]
     assert get(f"{server}api/panel/nope")[0] == 404
+    status, _, body = get(f"{server}api/health")
+    assert (status, json.loads(body)) == (200, {"ok": True, "store": "ok"})
     assert get(f"{server}api/panel/outcome_mix?from=abc")[0] == 400
     assert get(f"{server}static/../server.py")[0] == 404
     assert get(f"{server}static/%2e%2e/server.py")[0] == 404
@@ -208,7 +210,7 @@ def test_idle_connections_cannot_fill_the_web_view(seeded, monkeypatch):
     try:
         wait_for(lambda: server.connection_states()["awaiting_headers"] == 4, 60,
                  what="4 idle connections held")
-        assert raw_get(url, "/api/health")[:3:2] == (200, b'{"ok":true}')
+        assert raw_get(url, "/api/health")[:3:2] == (200, b'{"ok":true,"store":"ok"}')
         assert server.stats.evicted == 1
         assert idle[0].recv(1) == b""  # the oldest was closed; the others are held
         wait_for(lambda: server.connection_states() == {"awaiting_headers": 3}, 60,

@@ -35,7 +35,7 @@ from dashboards.panels import (
 from loopwatch.replay.economics import Rates, agent_economics
 from loopwatch.replay.recording import RunNotFound, load_recording
 from loopwatch.store.clickhouse import read_time
-from loopwatch.store.reader import QueryError, Reader
+from loopwatch.store.reader import QueryError, Reader, store_health
 
 MAX_VALUE_LENGTH: Final = 256
 MAX_RANGE: Final = timedelta(days=400)
@@ -256,6 +256,11 @@ class WebApi:
         with self._lock:
             result = self.reader.query(expanded.sql, expanded.parameters)
         return result.columns, result.rows, expanded.sql
+
+    def store_problem(self) -> str | None:
+        """``/api/health``: None when the store answers, else why not (one line)."""
+        with self._lock:
+            return store_health(self.reader)
 
     def panel(self, panel_id: str, params: Mapping[str, Sequence[str]]) -> dict[str, Any]:
         panel = PANELS_BY_ID.get(panel_id)

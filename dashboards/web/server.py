@@ -2,7 +2,8 @@
 
 Endpoints: ``/api/panels`` (the catalog), ``/api/panel/<id>?from=&to=&agent=...``,
 ``/api/alerts``, ``/api/runs/<run_id>``, ``/api/annotations``, ``/api/variables``,
-``/api/health``, ``/api/replay/<run_id>``, ``/api/economics?agent=``;
+``/api/health`` (503 ``{"ok": false, "store": "unreachable: ..."}`` while the
+store does not answer), ``/api/replay/<run_id>``, ``/api/economics?agent=``;
 ``/runs/<run_id>`` redirects into the page's drill-down so alert links
 (``LOOPWATCH_LINK_BASE_URL``) land there. Everything else is a file under ``static/``
 (Starlette's ``StaticFiles``: nothing outside it, symlinks out of it included, 404).
@@ -38,7 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from dashboards.macros import MacroError
 from dashboards.web.api import BadRequest, NotFound, WebApi, catalog
 from loopwatch.httpserver import ConnectionLimits, HostCheck, Server, allowed_hosts
-from loopwatch.store.reader import QueryError, Reader
+from loopwatch.store.reader import QueryError, Reader, ServiceUnreachable
 
 STATIC = Path(__file__).resolve().parent / "static"
 SECURITY_HEADERS = {
@@ -142,12 +143,18 @@ def make_app(api: WebApi, token: str | None = None, allowed: frozenset[str] | No
 
     def api_endpoint(request: Request) -> Response:
         params = parse_qs(request.url.query, keep_blank_values=True)
+        if request.path_params["route"] == "health":
+            problem = api.store_problem()
+            return (_json(200, {"ok": True, "store": "ok"}) if problem is None
+                    else _json(503, {"ok": False, "store": problem}))
         try:
             return _json(200, _route(api, request.path_params["route"], params))
         except BadRequest as exc:
             return _json(400, {"error": str(exc)})
         except NotFound as exc:
             return _json(404, {"error": str(exc)})
+        except ServiceUnreachable as exc:
+            return _json(503, {"error": f"store unreachable: {exc}"})
         except (QueryError, MacroError) as exc:
             return _json(502, {"error": f"query failed: {exc}"})
         except Exception as exc:  # keep serving; say what broke
@@ -174,8 +181,6 @@ def make_app(api: WebApi, token: str | None = None, allowed: frozenset[str] | No
 
 
 def _route(api: WebApi, route: str, params: dict[str, list[str]]) -> Any:
-    if route == "health":
-        return {"ok": True}
     if route == "panels":
         return catalog()
     if route.startswith("panel/"):

@@ -124,7 +124,7 @@ FROM events FINAL
 WHERE run_id = {run_id:String} AND event_type IN ('llm.call', 'tool.call')"""
 
 LLM_SQL: Final = """SELECT toString(event_id) AS event_id, toUnixTimestamp64Milli(ts) AS ts_ms,
-       step, input_tokens, output_tokens, cache_read_tokens, cache_creation_tokens,
+       step, input_tokens, output_tokens, cache_read_input_tokens, cache_creation_input_tokens,
        cost_usd, latency_ms
 FROM llm_calls FINAL
 WHERE agent = {agent:String} AND run_id = {run_id:String}"""
@@ -269,8 +269,8 @@ def _steps(events: Iterable[Mapping[str, Any]], llm: Mapping[str, Mapping[str, A
                 **common, prompt=body.get("prompt"), response=body.get("response"),
                 tokens={"input": int(metrics.get("input_tokens") or 0),
                         "output": int(metrics.get("output_tokens") or 0),
-                        "cache_read": int(metrics.get("cache_read_tokens") or 0),
-                        "cache_creation": int(metrics.get("cache_creation_tokens") or 0)},
+                        "cache_read": int(metrics.get("cache_read_input_tokens") or 0),
+                        "cache_creation": int(metrics.get("cache_creation_input_tokens") or 0)},
                 cost=float(metrics.get("cost_usd") or 0.0),
                 latency_ms=float(metrics.get("latency_ms") or 0.0)))
         else:

@@ -18,7 +18,11 @@ For a sharded, replicated ClickHouse cluster this module rewrites them:
 - ``ALTER TABLE`` (a later migration) runs ``ON CLUSTER`` on ``<name>_local``, and also
   on the Distributed table when it changes columns (``ADD/MODIFY/DROP/RENAME/COMMENT
   COLUMN``), so both keep the same columns; other actions (``MATERIALIZE``, ``MODIFY
-  TTL``, ...) concern the stored parts and run on ``_local`` only;
+  TTL``, ...) concern the stored parts and run on ``_local`` only; ``ADD COLUMN ...
+  ALIAS`` renders like any ADD (the Distributed table computes the alias itself); a
+  ``RENAME COLUMN`` is not repeatable once an ALIAS takes the old name back, so a
+  cluster that has applied it must not be given it again (the migration runner skips
+  it on one node, see :func:`loopwatch.store.schema_versions.rename_done`);
 - a retention section sets TTLs on the ``_local`` tables (the defaults of
   :data:`loopwatch.store.retention.RETENTION`, which single-node ``migrate`` applies too);
 - a last section records every migration in ``schema_migrations``
@@ -153,6 +157,10 @@ class Alter:
     def changes_columns(self) -> bool:
         return bool(_COLUMN_ACTION.match(self.action))
 
+    @property
+    def renames_column(self) -> bool:
+        return self.action.startswith("RENAME COLUMN")
+
 
 def schema_objects() -> list[Table | View | MaterializedView | Alter]:
     """Every table, view and ALTER of the migrations, in migration order."""
@@ -210,6 +218,17 @@ def _sections(cluster: str, database: str, single_node: bool
         return _SOURCE.sub(
             lambda m: f"{m[1]} {database}.{m[2]}" if m[2] in known else m[0], query)
 
+    def front(table: Table) -> str:
+        local = f"{table.name}{LOCAL_SUFFIX}"
+        if single_node:
+            # No cluster on one server: a pass-through Buffer (flushes every insert at
+            # once) stands in for Distributed, with the same name, columns and FINAL.
+            engine = f"Buffer('{database}', '{local}', 1, 0, 0, 0, 0, 0, 0)"
+        else:
+            engine = f"Distributed('{cluster}', '{database}', '{local}', {table.sharding_key})"
+        return (f"CREATE TABLE IF NOT EXISTS {database}.{table.name}{on_cluster} "
+                f"AS {database}.{local}\nENGINE = {engine}")
+
     schema = [f"CREATE DATABASE IF NOT EXISTS {database}{on_cluster}"]
     for obj in objects:
         if isinstance(obj, Alter):
@@ -218,8 +237,15 @@ def _sections(cluster: str, database: str, single_node: bool
             else:
                 targets = [f"{obj.table}{LOCAL_SUFFIX}"] + (
                     [obj.table] if obj.changes_columns else [])
-            schema.extend(f"ALTER TABLE {database}.{target}{on_cluster} {obj.action}"
-                          for target in targets)
+            for target in targets:
+                if single_node and target == obj.table and obj.renames_column:
+                    # a Buffer cannot rename a column: it holds nothing, so it is
+                    # made again over the renamed local table
+                    schema.extend([f"DROP TABLE IF EXISTS {database}.{target}",
+                                   front(tables[obj.table])])
+                else:
+                    schema.append(f"ALTER TABLE {database}.{target}{on_cluster} "
+                                  f"{obj.action}")
             continue
         if isinstance(obj, View):
             schema.append(f"CREATE OR REPLACE VIEW {database}.{obj.name}{on_cluster} AS\n"
@@ -237,14 +263,7 @@ def _sections(cluster: str, database: str, single_node: bool
         engine = _plain(obj) if single_node else _replicated(obj)
         schema.append(f"CREATE TABLE IF NOT EXISTS {database}.{local}{on_cluster}\n"
                       f"(\n{obj.columns}\n)\nENGINE = {engine}\n{obj.tail}")
-        if single_node:
-            # No cluster on one server: a pass-through Buffer (flushes every insert at
-            # once) stands in for Distributed, with the same name, columns and FINAL.
-            front = f"Buffer('{database}', '{local}', 1, 0, 0, 0, 0, 0, 0)"
-        else:
-            front = f"Distributed('{cluster}', '{database}', '{local}', {obj.sharding_key})"
-        schema.append(f"CREATE TABLE IF NOT EXISTS {database}.{obj.name}{on_cluster} "
-                      f"AS {database}.{local}\nENGINE = {front}")
+        schema.append(front(obj))
     retention = [
         f"ALTER TABLE {database}.{obj.name}{LOCAL_SUFFIX}{on_cluster} "
         f"MODIFY TTL {RETENTION[obj.name].ttl()}"
@@ -279,7 +298,8 @@ def render_sql(cluster: str, database: str = "loopwatch") -> str:
         f"--cluster {cluster} --database {database}`",
         "-- from loopwatch/store/migrations/*.sql; do not edit, re-render after a migration.",
         "-- Tables are <name>_local (Replicated*MergeTree) + <name> (Distributed); run it",
-        "-- once against any node: every statement is ON CLUSTER and idempotent.",
+        "-- once against any node: every statement is ON CLUSTER and idempotent, except",
+        "-- RENAME COLUMN, which a cluster that has applied it must skip (docs/operations.md).",
         "",
     ]
     for title, section in _sections(cluster, database, single_node=False):

@@ -37,7 +37,7 @@ ORDER BY timeouts DESC, tool;
 -- name: cache_hit_rate_by_deployment
 -- Prompt-cache hit rate per deployment and prompt version: a silent miss shows as ~0.
 SELECT deployment, prompt_version, sum(calls) AS calls,
-       round(sum(cache_read_tokens) / nullIf(sum(cache_read_tokens + cache_creation_tokens
+       round(sum(cache_read_input_tokens) / nullIf(sum(cache_read_input_tokens + cache_creation_input_tokens
              + uncached_input_tokens), 0), 3) AS cache_hit_rate
 FROM cache_metrics_1m
 WHERE {agent:String} = '' OR agent = {agent:String}

@@ -213,7 +213,7 @@ class ServiceReader:
         return response.content
 
     def health(self) -> dict[str, Any]:
-        return dict(orjson.loads(self._request("GET", "/health", timeout_s=5.0)))
+        return dict(orjson.loads(self._followed("GET", "/health", timeout_s=5.0)))
 
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         return dict(orjson.loads(self.send(path, orjson.dumps(body, default=str),
@@ -222,12 +222,18 @@ class ServiceReader:
     def send(self, path: str, data: bytes, content_type: str) -> bytes:
         """POST ``data`` and return the answer; the service's refusal is a
         :class:`QueryError` with its message, no answer a :class:`ServiceUnreachable`."""
+        return self._followed("POST", path, data, content_type)
+
+    def _followed(self, method: str, path: str, data: bytes | None = None,
+                  content_type: str | None = None, timeout_s: float | None = None) -> bytes:
+        """A request, tried once more where the followed announcement names the service
+        now when this address refused to connect."""
         try:
-            return self._request("POST", path, data, content_type)
+            return self._request(method, path, data, content_type, timeout_s)
         except ServiceUnreachable as exc:
             if not isinstance(exc.__cause__, httpx.ConnectError) or not self._moved():
                 raise
-            return self._request("POST", path, data, content_type)
+            return self._request(method, path, data, content_type, timeout_s)
 
     def _moved(self) -> bool:
         """Whether the followed announcement now names another live service (then
@@ -275,12 +281,32 @@ def running_service(settings: Settings) -> dict[str, Any] | None:
     return announced
 
 
-def open_reader(settings: Settings) -> Reader:
+def store_health(reader: Reader) -> str | None:
+    """None when the store behind ``reader`` answers, else one line saying why not: the
+    store service's own health, or a trivial query for a reader of its own."""
+    try:
+        if isinstance(reader, ServiceReader):
+            reader.health()
+        else:
+            reader.query("SELECT 1")
+    except ServiceUnreachable as exc:
+        return f"unreachable: {exc}"
+    except (OSError, QueryError) as exc:
+        return f"failing: {_first_line(exc)}"
+    return None
+
+
+def open_reader(settings: Settings, follow: bool = False) -> Reader:
+    """The reader for ``settings``' store: its ClickHouse server, the store service of a
+    running ``up`` on the data dir, or the embedded store itself. ``follow`` is for
+    long-lived callers (``loopwatch serve``): a service reader then re-reads the data
+    dir's announcement when its address stops answering, so it outlives a restart of
+    ``up`` even when the restarted one binds another socket."""
     if settings.clickhouse_url:
         return DirectReader(connect(settings, server=settings.clickhouse_reader_url), settings)
     announced = running_service(settings)
     if announced is not None:
-        return ServiceReader(announced["url"])
+        return ServiceReader(announced["url"], follow=settings if follow else None)
     try:
         migrate(settings)
         return DirectReader(connect(settings), settings)

@@ -12,6 +12,9 @@ Rules for whoever changes the schema:
 - views hold no data: a changed view is ``CREATE OR REPLACE VIEW`` in a new migration.
   A materialized view cannot be replaced in place: drop and create it in one migration;
 - ``ALTER TABLE`` is fine: :mod:`loopwatch.store.cluster` renders it ``ON CLUSTER``.
+  ``RENAME COLUMN IF EXISTS a TO b`` is the one ALTER ClickHouse cannot repeat once
+  ``a`` is back (as the ALIAS a renamed column keeps for a release): the runner skips a
+  rename whose new name the table has, as done (:func:`rename_done`).
 
 A store created before versioning (by a build that re-ran :data:`BASELINE` at every
 start and kept no record) is recognised by its tables and adopted: the baseline is run
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from importlib import resources
 
 from clickhouse_connect.driver.client import Client
@@ -99,9 +103,23 @@ def _record(client: Client, database: str, name: str, sql: str, how: str) -> Non
         parameters={"n": name, "c": checksum(sql), "h": how})
 
 
+_RENAME = re.compile(r"^ALTER TABLE (?P<table>\w+) RENAME COLUMN IF EXISTS \w+ TO "
+                     r"(?P<new>\w+)$")
+
+
+def rename_done(client: Client, statement: str) -> bool:
+    """Whether ``statement`` is a column rename whose new name the table already has."""
+    rename = _RENAME.match(statement)
+    return rename is not None and bool(client.query(
+        "SELECT count() FROM system.columns WHERE database = currentDatabase() AND "
+        "table = {t:String} AND name = {c:String}",
+        parameters={"t": rename["table"], "c": rename["new"]}).result_rows[0][0])
+
+
 def _run(client: Client, sql: str) -> None:
     for statement in statements(sql):
-        client.command(statement)
+        if not rename_done(client, statement):
+            client.command(statement)
 
 
 def apply_migrations(client: Client, database: str) -> list[str]:

@@ -89,7 +89,8 @@ def _contents(client: Client, database: str) -> dict[str, list[tuple[Any, ...]]]
         columns = ", ".join(f"toString(`{name}`)" for (name,) in client.query(
             "SELECT name FROM system.columns WHERE database = {d:String} AND "
             "table = {t:String} AND NOT (name = 'ingested_at' AND table IN {g:Array(String)})"
-            " AND default_kind != 'ALIAS' ORDER BY position", parameters={"d": database, "t": table, "g": list(GAINED)}
+            " AND default_kind != 'ALIAS' ORDER BY position",
+            parameters={"d": database, "t": table, "g": list(GAINED)}
         ).result_rows)
         found[table] = sorted(tuple(row) for row in client.query(
             f"SELECT {columns} FROM {database}.{table}").result_rows)

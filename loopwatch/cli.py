@@ -83,8 +83,13 @@ def up(
             + f"  duplicates {counters['duplicates']}  store retries {status['sink_failures']}"
             + f"  broker retries {status['kafka_write_retries']}")
 
+    def draining(limit_s: float) -> None:
+        console.print(f"draining: storing what the broker holds (at most {limit_s:g} s; "
+                      "Ctrl-C again stops at once)", markup=False, highlight=False)
+
     try:
-        run_up(settings, on_ready=ready, on_status=progress, otlp_port=otlp_port)
+        run_up(settings, on_ready=ready, on_status=progress, otlp_port=otlp_port,
+               on_stopping=draining)
     except BrokerError as exc:
         console.print(f"loopwatch up: {exc}", markup=False, highlight=False)
         raise typer.Exit(1) from None

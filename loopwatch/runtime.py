@@ -67,8 +67,10 @@ class DrainingWorker(faust.Worker):
     """
 
     def __init__(self, processor: Processor, bootstrap: str,
-                 stop_requested: threading.Event, **kwargs: Any) -> None:
+                 stop_requested: threading.Event,
+                 on_stopping: Callable[[float], None] | None = None, **kwargs: Any) -> None:
         super().__init__(processor.app, **kwargs)
+        self._on_stopping = on_stopping
         self.spinner = None  # before execute_from_commandline sets up logging
         self._processor = processor
         self._bootstrap = bootstrap
@@ -93,6 +95,11 @@ class DrainingWorker(faust.Worker):
             self._stop_now()
             return
         self._draining = True
+        if self._on_stopping is not None:
+            try:
+                self._on_stopping(self._processor.settings.drain_timeout_s)
+            except Exception:
+                log.exception("could not report the drain")
         self._drain_task = asyncio.ensure_future(self._drain(), loop=self.loop)
 
     def _stop_now(self) -> None:
@@ -450,9 +457,12 @@ def _outlive_dead_members(settings: Settings, adopted_at: float,
 
 def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None = None,
            on_status: Callable[[dict[str, Any]], None] | None = None,
-           loglevel: str = "warning", otlp_port: int | None = None) -> None:
+           loglevel: str = "warning", otlp_port: int | None = None,
+           on_stopping: Callable[[float], None] | None = None) -> None:
     """Run until SIGINT/SIGTERM. ``on_ready`` gets the announcement (bootstrap, store, url);
-    ``on_status`` gets the pipeline's counters every few seconds while they change."""
+    ``on_status`` gets the pipeline's counters every few seconds while they change;
+    ``on_stopping`` is told, with the drain's time limit, when the first signal starts
+    the drain."""
     os.umask(PRIVATE_UMASK)
     private_dir(settings.data_dir)
     stop_requested = threading.Event()
@@ -519,7 +529,7 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
         _sample_gauges(settings, bootstrap, connect(settings), status, detectors_stop)
         start_size_cap(settings, connect(settings), detectors_stop)
         start_decider(settings, connect(settings), detectors_stop)
-        worker = DrainingWorker(processor, bootstrap, stop_requested,
+        worker = DrainingWorker(processor, bootstrap, stop_requested, on_stopping,
                                 loglevel=loglevel, quiet=True, redirect_stdouts=False,
                                 logfile=str(settings.data_dir / "logs" / "worker.log"))
         if broker is not None:

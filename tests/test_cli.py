@@ -105,6 +105,7 @@ def test_reprocess_refuses_a_since_that_is_not_an_iso_time(tmp_path: Path):
         result.stdout + result.stderr)
 
 
+@pytest.mark.stack  # runs `loopwatch demo`: its own broker and `up`
 def test_demo_reports_every_outcome_exactly_as_the_fleet_planned_it(tmp_path: Path):
     result = loopwatch("demo", "--duration", "20", "--rate", "6", "--seed", "11", "--json",
                        "--data-dir", str(tmp_path), timeout=400)

@@ -31,6 +31,8 @@ from tests.delivery_agent import EVENTS_PER_RUN, emit_run, outcome, run_id
 from tests.test_capture import reassemble, wait_decided
 from tests.test_sdk import create_topic
 
+pytestmark = pytest.mark.stack  # starts brokers / `loopwatch up` itself
+
 #: no run is abandoned while the pipeline is down: outcomes come from run.end
 ENV = {**PIPELINE_ENV, "LOOPWATCH_ABANDON_TTL_S": "600", "LOOPWATCH_DRAIN_TIMEOUT_S": "10"}
 FIGURES: dict[str, str] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 
+import pytest
 from rich.console import Console
 
 from loopwatch.liveline import LiveLine
@@ -38,6 +39,7 @@ def test_a_disabled_line_prints_nothing():
     assert output.getvalue() == ""
 
 
+@pytest.mark.stack  # runs `loopwatch demo`: its own broker and `up`
 def test_a_piped_demo_prints_its_progress(tmp_path):
     """``loopwatch demo`` with its output captured: progress lines while it simulates and
     while it drains, not two lines and then silence until the report."""

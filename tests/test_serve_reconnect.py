@@ -25,6 +25,8 @@ from loopwatch.processes import terminate
 from loopwatch.upprocess import UpProcess
 from tests.conftest import PIPELINE_ENV, scalar, wait_for
 
+pytestmark = pytest.mark.stack  # starts brokers / `loopwatch up` itself
+
 
 def get(url: str) -> tuple[int, Any]:
     try:

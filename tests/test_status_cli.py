@@ -4,6 +4,7 @@ line and exit 1 when no ``up`` runs on the data dir."""
 from __future__ import annotations
 
 import orjson
+import pytest
 
 from tests.conftest import PIPELINE_ENV, wait_for
 from tests.test_cli import loopwatch
@@ -20,6 +21,7 @@ def test_status_without_an_up_is_one_line_and_exit_1(tmp_path):
     assert not (data_dir / "chdb").exists()
 
 
+@pytest.mark.stack  # starts its own `loopwatch up`
 def test_status_names_the_running_ups_parts_and_counts(tmp_path):
     """A `loopwatch up` of its own (own embedded broker), with one scripted run."""
     from ingest.sdk import Emitter

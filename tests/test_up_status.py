@@ -9,6 +9,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import pytest
+
 from loopwatch.runtime import _report_status
 from tests.conftest import wait_for
 
@@ -46,8 +48,10 @@ def test_the_status_line_is_reported_each_time_the_live_counters_move():
     assert reported == [(0, 0, 0), (5, 0, 0), (570, 12, 0), (570, 13, 2)]
 
 
+@pytest.mark.stack
 def test_a_stopped_up_says_how_many_events_it_stored(tmp_path):
-    """SIGTERM/Ctrl-C drained and exited printing nothing; it ends with the count now.
+    """SIGTERM/Ctrl-C drained and exited printing nothing; it says it drains, then ends
+    with the count.
     A `loopwatch up` of its own (own embedded broker): it is stopped here."""
     from ingest.sdk import Emitter
     from loopwatch.upprocess import UpProcess
@@ -72,3 +76,6 @@ def test_a_stopped_up_says_how_many_events_it_stored(tmp_path):
         assert up.stop(timeout_s=120) == 0
     log = (tmp_path / "data" / "logs" / "up.log").read_text().splitlines()
     assert log[-1] == "stopped: 4 events stored"
+    drains = [line for line in log if line.startswith("draining: ")]
+    assert drains == ["draining: storing what the broker holds (at most 30 s; "
+                      "Ctrl-C again stops at once)"]

@@ -171,7 +171,7 @@ def transcript(
 def register(app: typer.Typer) -> None:
     """Add the ``ingest`` sub-app (serve, file, transcript) to the main CLI."""
     ingest_app = typer.Typer(no_args_is_help=True,
-                             help="Bring data in: OTLP/HTTP receiver and file imports.")
+                             help="Bring data in: OTLP receivers (HTTP, gRPC) and file imports.")
     ingest_app.command("serve")(serve)
     ingest_app.command("file")(file)
     ingest_app.command("transcript")(transcript)

@@ -6,7 +6,11 @@ the session broker (or on no broker at all, to hold requests in flight)."""
 from __future__ import annotations
 
 import gzip
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -263,6 +267,7 @@ def test_oversized_messages_are_refused_before_and_after_decompression(receiver)
     error = _call(receiver, big, compression=grpc.Compression.Gzip)  # ~1 KiB on the wire
     assert isinstance(error, grpc.RpcError)
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than max" in error.details()
     assert len(gzip.compress(big.SerializeToString())) < 4096
     assert receiver.stats.accepted == 0 and receiver.stats.events == 0
     assert _call(receiver, ExportTraceServiceRequest()) == b""  # still serving
@@ -355,3 +360,51 @@ def test_grpc_port_setting(monkeypatch):
     monkeypatch.setenv("LOOPWATCH_OTLP_GRPC_PORT", "70000")
     with pytest.raises(ValueError, match="less than or equal to 65535"):
         OtlpSettings()
+
+
+SERVE = [sys.executable, "-m", "loopwatch.cli", "ingest", "serve"]
+
+
+def _serve(broker: Any, tmp_path: Path, *args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "LOOPWATCH_KAFKA_BOOTSTRAP": broker.bootstrap,
+           "LOOPWATCH_DATA_DIR": str(tmp_path), "COLUMNS": "200"}
+    return subprocess.Popen([*SERVE, "--port", "0", *args],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def _lines_until(process: subprocess.Popen[str], marker: str) -> list[str]:
+    assert process.stdout is not None
+    lines = []
+    for line in process.stdout:
+        lines.append(line.rstrip())
+        if marker in line:
+            return lines
+    raise AssertionError(f"{marker!r} never printed: {lines}")
+
+
+def test_ingest_serve_runs_grpc_beside_http_and_can_turn_it_off(broker, pipeline, reader,
+                                                                  tmp_path, agent):
+    serving = _serve(broker, tmp_path / "on", "--grpc-port", "0")
+    try:
+        lines = _lines_until(serving, "OTLP/gRPC receiver:")
+        address = lines[-1].split("OTLP/gRPC receiver: ", 1)[1].strip()
+        exporter = GrpcSpanExporter(endpoint=address, insecure=True)
+        _export_run(agent, exporter, 0xD4, time.time_ns())
+        _wait_closed(reader, agent)
+    finally:
+        serving.send_signal(signal.SIGINT)
+        assert serving.wait(60) == 0
+    assert _stored(reader, agent) == 5
+    off = _serve(broker, tmp_path / "off", "--grpc-port", "off")
+    try:
+        lines = _lines_until(off, "OTLP/HTTP receiver:")
+    finally:
+        off.send_signal(signal.SIGINT)
+        rest, _ = off.communicate(timeout=60)
+    assert "gRPC" not in "\n".join(lines) + rest and off.returncode == 0
+    refused = subprocess.run([*SERVE, "--grpc-port", "nope"], capture_output=True,
+                             text=True, timeout=60,
+                             env={**os.environ, "LOOPWATCH_DATA_DIR": str(tmp_path / "x")})
+    assert refused.returncode == 2
+    assert "invalid OTLP setting" in refused.stdout + refused.stderr

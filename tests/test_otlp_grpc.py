@@ -338,6 +338,20 @@ def test_in_flight_bound_is_resource_exhausted_with_retry_info_for_both_transpor
     assert (receiver.stats.accepted, receiver.stats.events) == (2, 10)
 
 
+def test_unreachable_broker_is_unavailable_with_retry_info(tmp_path):
+    receiver = _receiver(tmp_path, f"127.0.0.1:{free_port()}", publish_timeout_s=2)
+    try:
+        error = _call(receiver, _spans("nobroker"))
+    finally:
+        receiver.stop()
+    assert isinstance(error, grpc.RpcError)
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert error.details().startswith("broker did not acknowledge")
+    info = RetryInfo.FromString(dict(error.trailing_metadata())[RETRY_INFO_KEY])
+    assert info.retry_delay.seconds == 2
+    assert (receiver.stats.rejected[503], receiver.stats.accepted) == (1, 0)
+
+
 def test_a_taken_grpc_port_is_reported_not_shared(broker, pipeline, tmp_path):
     first = _receiver(tmp_path / "a", broker.bootstrap)
     second = OtlpReceiver(_settings(tmp_path / "b"), broker.bootstrap, "127.0.0.1",

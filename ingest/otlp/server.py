@@ -24,8 +24,10 @@ A slow body holds a receive slot, never an in-flight one, and only until its dea
 
 Runs on uvicorn + Starlette (:mod:`loopwatch.httpserver`: header deadline, a
 connection cap slow clients cannot exhaust): one event loop thread reads requests,
-``max_inflight`` worker threads decompress, decode, map and publish (kafka-python's
-producer is shared and thread-safe).
+``max_inflight`` worker threads decompress, then take the export path
+(:mod:`ingest.otlp.export`: decode, map, publish) that the OTLP/gRPC receiver
+(:meth:`OtlpReceiver.serve_grpc`) shares, with its in-flight bound and counters
+(kafka-python's producer is shared and thread-safe).
 """
 
 from __future__ import annotations

@@ -338,6 +338,33 @@ def test_in_flight_bound_is_resource_exhausted_with_retry_info_for_both_transpor
     assert (receiver.stats.accepted, receiver.stats.events) == (2, 10)
 
 
+def test_open_calls_beyond_max_receiving_are_refused_by_grpc_not_queued(
+        broker, pipeline, tmp_path):
+    """Two calls held open (admitted, waiting on the decode lock the test holds), with
+    MAX_RECEIVING 2 and MAX_INFLIGHT 4: a third, on its own connection, is refused by
+    grpc before its message is read, rather than waiting for a thread."""
+    receiver = _receiver(tmp_path, broker.bootstrap, max_receiving=2, max_inflight=4)
+    try:
+        # its own connection: channels to one target share one by default, where
+        # HTTP/2's stream limit (also MAX_RECEIVING) keeps a third call in the client
+        other = grpc.insecure_channel(str(receiver.grpc_address),
+                                      options=[("grpc.use_local_subchannel_pool", 1)])
+        with _channel(receiver) as channel, other:
+            with receiver.core._cpu:
+                held = [channel.unary_unary(EXPORT_METHOD).future(
+                    _spans(f"open-{n}").SerializeToString(), timeout=120) for n in range(2)]
+                wait_for(lambda: receiver.inflight == 2, 60, what="two calls open")
+                with pytest.raises(grpc.RpcError) as refused:
+                    other.unary_unary(EXPORT_METHOD)(b"", timeout=60)
+                assert not any(future.done() for future in held)
+            assert [future.result() for future in held] == [b"", b""]
+    finally:
+        receiver.stop()
+    assert (refused.value.code(), refused.value.details()) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED, "Concurrent RPC limit exceeded!")
+    assert receiver.stats.accepted == 2
+
+
 def test_unreachable_broker_is_unavailable_with_retry_info(tmp_path):
     receiver = _receiver(tmp_path, f"127.0.0.1:{free_port()}", publish_timeout_s=2)
     try:

@@ -1,4 +1,5 @@
-"""Throughput of the OTLP/HTTP receiver, with the broker-only baseline in the same run.
+"""Throughput of the OTLP receivers (HTTP and gRPC), with the broker-only baseline in the
+same run.
 
     python -m bench.otlp_receiver                 # ~20 s, prints a table
     python -m bench.otlp_receiver --spans 200000 --json
@@ -13,6 +14,9 @@ What is measured, against one embedded Tansu broker on loopback:
   connections by a separate client process; the receiver (decode, map, publish, wait
   for the ack, answer 200) runs in this process. Spans per second = spans answered 200
   / wall time.
+* ``receiver (gRPC)``: the same requests, as raw ``TraceService/Export`` calls over one
+  channel per client thread to the gRPC receiver of the same receiver (same export
+  path), right after the HTTP pass. Spans per second = spans answered OK / wall time.
 
 It is a benchmark, not a test: numbers depend on what else the machine runs.
 """
@@ -133,6 +137,58 @@ def _client(port: int, bodies: list[bytes], connections: int,
     results.put({"seconds": time.perf_counter() - started, "codes": codes})
 
 
+def _grpc_client(address: str, bodies: list[bytes], connections: int,
+                 results: Any) -> None:
+    """Runs in a child process: Export every body once, over ``connections`` threads,
+    each on its own channel (its own HTTP/2 connection)."""
+    import grpc
+
+    from ingest.otlp.grpc_server import EXPORT_METHOD
+
+    codes: dict[str, int] = {}
+    lock = threading.Lock()
+    queue = list(reversed(bodies))
+
+    def worker() -> None:
+        with grpc.insecure_channel(address) as channel:
+            export = channel.unary_unary(EXPORT_METHOD)
+            while True:
+                with lock:
+                    if not queue:
+                        break
+                    body = queue.pop()
+                while True:
+                    try:
+                        export(body, timeout=120)
+                        code = "OK"
+                    except grpc.RpcError as error:
+                        code = error.code().name
+                    with lock:
+                        codes[code] = codes.get(code, 0) + 1
+                    if code == "OK":
+                        break
+                    time.sleep(0.1)
+
+    threads = [threading.Thread(target=worker) for _ in range(connections)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    results.put({"seconds": time.perf_counter() - started, "codes": codes})
+
+
+def _timed(target: Any, args: tuple[Any, ...], results: Any) -> tuple[dict[str, Any], float]:
+    """Run one client process; its outcome and this process's CPU seconds meanwhile."""
+    client = multiprocessing.get_context("spawn").Process(target=target, args=args)
+    cpu = time.process_time()
+    client.start()
+    outcome = results.get()
+    cpu = time.process_time() - cpu
+    client.join()
+    return outcome, cpu
+
+
 def run(total_spans: int, connections: int) -> dict[str, Any]:
     from ingest.otlp.decode import decode_protobuf
     from ingest.otlp.mapping import map_spans
@@ -169,20 +225,15 @@ def run(total_spans: int, connections: int) -> dict[str, Any]:
         receiver = OtlpReceiver(settings, broker.bootstrap, "127.0.0.1", free_port(),
                                 limits=OtlpSettings(max_inflight=connections))
         receiver.start()
+        grpc_address = receiver.serve_grpc(0)
+        assert grpc_address is not None
         port = int(receiver.url.rsplit(":", 1)[1])
         results: Any = multiprocessing.get_context("spawn").Queue()
-        client = multiprocessing.get_context("spawn").Process(
-            target=_client, args=(port, bodies[:2], 1, results))
-        client.start()
-        results.get()
-        client.join()  # warm-up request
-        client = multiprocessing.get_context("spawn").Process(
-            target=_client, args=(port, bodies, connections, results))
-        cpu = time.process_time()
-        client.start()
-        outcome = results.get()
-        cpu = time.process_time() - cpu
-        client.join()
+        _timed(_client, (port, bodies[:2], 1, results), results)  # warm-up requests
+        outcome, cpu = _timed(_client, (port, bodies, connections, results), results)
+        _timed(_grpc_client, (grpc_address, bodies[:2], 1, results), results)
+        grpc_outcome, grpc_cpu = _timed(
+            _grpc_client, (grpc_address, bodies, connections, results), results)
         receiver.stop()
     return {
         "spans": spans, "events": events, "requests": len(bodies),
@@ -193,6 +244,11 @@ def run(total_spans: int, connections: int) -> dict[str, Any]:
         "receiver_events_per_s": events / outcome["seconds"],
         "status_codes": outcome["codes"],
         "receiver_cpu_per_wall_s": cpu / outcome["seconds"],
+        "grpc_receiver_spans_per_s": spans / grpc_outcome["seconds"],
+        "grpc_receiver_events_per_s": events / grpc_outcome["seconds"],
+        "grpc_status_codes": grpc_outcome["codes"],
+        "grpc_receiver_cpu_per_wall_s": grpc_cpu / grpc_outcome["seconds"],
+        "grpc_to_http_ratio": outcome["seconds"] / grpc_outcome["seconds"],
         "connections": connections,
     }
 
@@ -214,8 +270,12 @@ def main() -> None:
     print(f"decode + map (one thread)   : {result['decode_map_spans_per_s']:>9,.0f} spans/s")
     print(f"receiver (HTTP, end to end) : {result['receiver_spans_per_s']:>9,.0f} spans/s "
           f"({result['receiver_events_per_s']:,.0f} events/s)  codes {result['status_codes']}")
-    print(f"receiver process CPU        : {result['receiver_cpu_per_wall_s']:.2f} "
-          "core-seconds per second")
+    print(f"receiver (gRPC, end to end) : {result['grpc_receiver_spans_per_s']:>9,.0f} spans/s "
+          f"({result['grpc_receiver_events_per_s']:,.0f} events/s)  "
+          f"codes {result['grpc_status_codes']}")
+    print(f"gRPC / HTTP spans/s         : {result['grpc_to_http_ratio']:.2f}")
+    print(f"receiver process CPU        : HTTP {result['receiver_cpu_per_wall_s']:.2f}, "
+          f"gRPC {result['grpc_receiver_cpu_per_wall_s']:.2f} core-seconds per second")
 
 
 if __name__ == "__main__":

@@ -27,13 +27,17 @@ WaitTimeout = Annotated[float, typer.Option(
 def serve(
     host: Annotated[str | None, typer.Option(help="listen address [env LOOPWATCH_OTLP_HOST]")]
     = None,
-    port: Annotated[int | None, typer.Option(help="port [env LOOPWATCH_OTLP_PORT]",
-                                             callback=port_number)] = None,
+    port: Annotated[int | None, typer.Option(
+        help="OTLP/HTTP port [env LOOPWATCH_OTLP_PORT, default 4318]",
+        callback=port_number)] = None,
+    grpc_port: Annotated[str | None, typer.Option(
+        help="OTLP/gRPC port, or off [env LOOPWATCH_OTLP_GRPC_PORT, default 4317]")] = None,
     token: Annotated[str | None, typer.Option(
         help="require this bearer token [env LOOPWATCH_OTLP_TOKEN]")] = None,
     data_dir: DataDir = None,
 ) -> None:
-    """Run the OTLP/HTTP trace receiver against the configured Kafka until Ctrl-C."""
+    """Run the OTLP trace receivers (HTTP and gRPC) against the configured Kafka until
+    Ctrl-C."""
     from ingest.otlp.server import OtlpReceiver
     from ingest.otlp.settings import load_otlp_settings
     from loopwatch.store.reader import running_service
@@ -41,7 +45,7 @@ def serve(
 
     settings = settings_from(data_dir)
     try:
-        limits = load_otlp_settings(host=host, port=port, token=token)
+        limits = load_otlp_settings(host=host, port=port, token=token, grpc_port=grpc_port)
     except ValidationError as exc:
         console.print(f"[red]invalid OTLP setting:[/red] {exc.errors()[0]['msg']}")
         raise typer.Exit(2) from None
@@ -60,8 +64,14 @@ def serve(
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     url = receiver.start()
+    grpc_address = None if limits.grpc_port is None else receiver.serve_grpc(limits.grpc_port)
     console.print(f"OTLP/HTTP receiver: [bold]{url}/v1/traces[/bold] -> kafka {bootstrap} "
                   f"topic {settings.events_topic}; Ctrl-C stops")
+    if grpc_address is not None:
+        console.print(f"OTLP/gRPC receiver: [bold]{grpc_address}[/bold]")
+    elif limits.grpc_port is not None:
+        console.print(f"[yellow]OTLP/gRPC receiver not started:[/yellow] port "
+                      f"{limits.grpc_port} is taken (set LOOPWATCH_OTLP_GRPC_PORT or --grpc-port)")
     try:
         stop.wait()
     finally:
@@ -171,7 +181,7 @@ def transcript(
 def register(app: typer.Typer) -> None:
     """Add the ``ingest`` sub-app (serve, file, transcript) to the main CLI."""
     ingest_app = typer.Typer(no_args_is_help=True, rich_markup_mode=HELP_MARKUP,
-                             help="Bring data in: OTLP/HTTP receiver and file imports.")
+                             help="Bring data in: OTLP receivers (HTTP, gRPC) and file imports.")
     ingest_app.command("serve")(serve)
     ingest_app.command("file")(file)
     ingest_app.command("transcript")(transcript)

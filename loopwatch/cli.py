@@ -67,6 +67,8 @@ def up(
         console.print(f"store: [bold]{info['store']}[/bold]  service: {info['url']}")
         if info.get("otlp_url"):
             console.print(f"OTLP/HTTP: {info['otlp_url']}/v1/traces")
+        if info.get("otlp_grpc"):
+            console.print(f"OTLP/gRPC: {info['otlp_grpc']}")
         console.print("processing; Ctrl-C drains and stops")
 
     latest: dict[str, Any] = {}

@@ -345,7 +345,8 @@ def _sample_gauges(settings: Settings, bootstrap: str, writer: Any,
 
 
 def _start_otlp(settings: Settings, bootstrap: str, port: int | None) -> OtlpReceiver | None:
-    """The OTLP/HTTP receiver, unless its port is taken (then ``up`` runs without it)."""
+    """The OTLP/HTTP receiver and, unless disabled, OTLP/gRPC beside it on the same
+    export path; a taken port is logged and ``up`` runs without that receiver."""
     limits = load_otlp_settings(port=port)
     try:
         receiver = OtlpReceiver(settings, bootstrap, limits.host, limits.port, limits.token,
@@ -355,6 +356,8 @@ def _start_otlp(settings: Settings, bootstrap: str, port: int | None) -> OtlpRec
                     "LOOPWATCH_OTLP_PORT or --otlp-port", limits.host, limits.port, exc)
         return None
     receiver.start()
+    if limits.grpc_port is not None:
+        receiver.serve_grpc(limits.grpc_port)
     return receiver
 
 
@@ -519,6 +522,7 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
                                settings.service_socket, actions, raw_actions)
         announcement = {"kafka_bootstrap": bootstrap, "store": store,
                         "otlp_url": receiver.url if receiver else None,
+                        "otlp_grpc": receiver.grpc_address if receiver else None,
                         "events_topic": settings.events_topic,
                         "embedded_broker": broker is not None}
         url = service.start(announcement)

@@ -59,6 +59,7 @@ PIPELINE_ENV = {
     "LOOPWATCH_MAX_MESSAGE_BYTES": "200000",
     "LOOPWATCH_PARTITIONS": "4",
     "LOOPWATCH_OTLP_PORT": "0",
+    "LOOPWATCH_OTLP_GRPC_PORT": "0",
     "LOOPWATCH_SWEEP_INTERVAL_S": "1",
     "LOOPWATCH_CAPTURE_DECIDE_INTERVAL_S": "1",
     # store touched runs every 3 runs within a batch (production: 20k), so every

@@ -24,8 +24,10 @@ A slow body holds a receive slot, never an in-flight one, and only until its dea
 
 Runs on uvicorn + Starlette (:mod:`loopwatch.httpserver`: header deadline, a
 connection cap slow clients cannot exhaust): one event loop thread reads requests,
-``max_inflight`` worker threads decompress, decode, map and publish (kafka-python's
-producer is shared and thread-safe).
+``max_inflight`` worker threads decompress, then take the export path
+(:mod:`ingest.otlp.export`: decode, map, publish) that the OTLP/gRPC receiver
+(:meth:`OtlpReceiver.serve_grpc`) shares, with its in-flight bound and counters
+(kafka-python's producer is shared and thread-safe).
 """
 
 from __future__ import annotations
@@ -33,17 +35,12 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import threading
 import zlib
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
+from threading import BoundedSemaphore
 
 import orjson
-from kafka.errors import KafkaError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTracePartialSuccess,
     ExportTraceServiceResponse,
 )
 from starlette.applications import Starlette
@@ -53,10 +50,17 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from ingest.otlp.decode import DecodedRequest, PayloadError, decode_json, decode_protobuf
-from ingest.otlp.mapping import MappedBatch, map_spans
+from ingest.otlp.export import (
+    JSON,
+    PROTOBUF,
+    ReceiverStats,
+    Reject,
+    SpanExport,
+    partial_success,
+)
+from ingest.otlp.grpc_server import OtlpGrpcReceiver
+from ingest.otlp.mapping import MappedBatch
 from ingest.otlp.settings import OtlpSettings, load_otlp_settings
-from ingest.redact import Redactor
 from ingest.sdk import Emitter
 from loopwatch.config import Settings
 from loopwatch.httpserver import ConnectionLimits, HostCheck, Server, allowed_hosts
@@ -64,36 +68,11 @@ from loopwatch.httpserver import ConnectionLimits, HostCheck, Server, allowed_ho
 log = logging.getLogger(__name__)
 
 TRACES_PATH = "/v1/traces"
-PROTOBUF = "application/x-protobuf"
-JSON = "application/json"
 # google.rpc.Code for the Status body OTLP/HTTP asks for on errors.
 _RPC_CODES = {400: 3, 401: 16, 404: 5, 405: 12, 408: 4, 411: 3, 413: 8, 415: 3, 429: 8,
               503: 14}
 ENCODINGS = ("", "identity", "gzip", "deflate")
-
-
-class _Reject(Exception):
-    """Answer with this status and reason; ``close`` when the body was left unread."""
-
-    def __init__(self, status: int, reason: str, *, close: bool = False,
-                 retry_after: int | None = None) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
-        self.close = close
-        self.retry_after = retry_after
-
-
-@dataclass
-class ReceiverStats:
-    requests: int = 0
-    accepted: int = 0
-    spans: int = 0
-    events: int = 0
-    dead_letters: int = 0
-    ignored_spans: int = 0
-    rejected: Counter[int] = field(default_factory=Counter)
-    conventions: Counter[str] = field(default_factory=Counter)
+__all__ = ["TRACES_PATH", "OtlpReceiver", "ReceiverStats", "decompress", "rpc_status"]
 
 
 def rpc_status(code: int, message: str) -> bytes:
@@ -117,16 +96,16 @@ def decompress(body: bytes, encoding: str, limit: int) -> bytes:
         return body
     wbits = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}.get(encoding)
     if wbits is None:
-        raise _Reject(415, f"unsupported Content-Encoding {encoding!r} (gzip, deflate)")
+        raise Reject(415, f"unsupported Content-Encoding {encoding!r} (gzip, deflate)")
     inflater = zlib.decompressobj(wbits)
     try:
         out = inflater.decompress(body, limit + 1)
     except zlib.error as exc:
-        raise _Reject(400, f"malformed {encoding} body: {exc}") from None
+        raise Reject(400, f"malformed {encoding} body: {exc}") from None
     if len(out) > limit:
-        raise _Reject(413, f"body over {limit} bytes after decompression")
+        raise Reject(413, f"body over {limit} bytes after decompression")
     if not inflater.eof:
-        raise _Reject(400, f"truncated {encoding} body")
+        raise Reject(400, f"truncated {encoding} body")
     return out
 
 
@@ -136,6 +115,7 @@ class OtlpReceiver:
     ``settings`` supplies the topic, message size, header deadline and allowed hosts;
     ``limits`` the receiver's own knobs (read from ``LOOPWATCH_OTLP_*`` when not given).
     ``token`` enables bearer auth. Binds at construction: a taken port is an OSError.
+    :meth:`serve_grpc` adds OTLP/gRPC on the same export path, bound and counters.
     """
 
     def __init__(self, settings: Settings, bootstrap: str, host: str = "127.0.0.1",
@@ -144,23 +124,15 @@ class OtlpReceiver:
         self.settings = settings
         self.limits = limits or load_otlp_settings()
         self.token = token
-        self.stats = ReceiverStats()
+        self.host = host
         self.receiving = 0  # bodies being read; changed on the event loop thread only
-        self._stats_lock = threading.Lock()
-        self._admission = threading.BoundedSemaphore(self.limits.max_inflight)
-        self._cpu = threading.Lock()
         self._server = Server(self._app(host), host, port, ConnectionLimits(
             settings.http_header_timeout_s, self.limits.max_connections,
             self.limits.retry_after_s), name="otlp-receiver")  # a taken port raises here
         self._workers = ThreadPoolExecutor(self.limits.max_inflight,
                                            thread_name_prefix="otlp-worker")
-        self.emitter = Emitter(
-            bootstrap, settings.events_topic, settings.spool_dir / "otlp-receiver",
-            max_message_bytes=max(1024, settings.max_message_bytes - 4096),
-            capture=settings.capture, redactor=Redactor.from_settings(settings),
-            captures_topic=settings.captures_topic,
-            max_part_bytes=settings.capture_max_part_bytes,
-        )
+        self.core = SpanExport(settings, bootstrap, self.limits)
+        self.grpc: OtlpGrpcReceiver | None = None
 
     def _app(self, host: str) -> ASGIApp:
         routes = [Route(path, self._export, methods=["POST"])
@@ -176,9 +148,26 @@ class OtlpReceiver:
         return f"http://{host!s}:{port}"
 
     @property
+    def grpc_address(self) -> str | None:
+        """``host:port`` of the OTLP/gRPC receiver, None when it is not running."""
+        return self.grpc.address if self.grpc is not None else None
+
+    @property
+    def stats(self) -> ReceiverStats:
+        return self.core.stats
+
+    @property
+    def emitter(self) -> Emitter:
+        return self.core.emitter
+
+    @property
+    def _admission(self) -> BoundedSemaphore:
+        return self.core.admission
+
+    @property
     def inflight(self) -> int:
-        """Requests admitted and not yet answered."""
-        return self.limits.max_inflight - self._admission._value  # type: ignore[attr-defined]
+        """Requests admitted and not yet answered (over both transports)."""
+        return self.core.inflight
 
     @property
     def server(self) -> Server:
@@ -190,15 +179,25 @@ class OtlpReceiver:
         log.info("OTLP/HTTP receiver on %s%s", self.url, TRACES_PATH)
         return self.url
 
+    def serve_grpc(self, port: int) -> str | None:
+        """Start OTLP/gRPC on ``port`` (0 = a free one) beside HTTP, sharing its export
+        path; returns its address, or None (logged) when the port is taken."""
+        try:
+            self.grpc = OtlpGrpcReceiver(self.core, self.host, port, self.token)
+        except OSError as exc:
+            log.warning("OTLP/gRPC receiver not started: %s", exc)
+            return None
+        return self.grpc.start()
+
     def stop(self) -> None:
+        if self.grpc is not None:
+            self.grpc.stop()
         self._server.stop()
         self._workers.shutdown(wait=True, cancel_futures=True)
-        self.emitter.close(timeout_s=5)
+        self.core.close()
 
     def count_rejected(self, status: int) -> None:
-        with self._stats_lock:
-            self.stats.requests += 1
-            self.stats.rejected[status] += 1
+        self.core.count_rejected(status)
 
     # -- one request ------------------------------------------------------------------
 
@@ -206,13 +205,11 @@ class OtlpReceiver:
         json_wanted = _content_type(request) == JSON
         try:
             body, kind, encoding = await self._receive(request)
-            if not self._admission.acquire(blocking=False):
-                raise _Reject(429, f"busy: {self.limits.max_inflight} requests in flight",
-                              retry_after=self.limits.retry_after_s)
+            self.core.admit()
             loop = asyncio.get_running_loop()
             answer = await loop.run_in_executor(self._workers, self._work, body, kind,
                                                 encoding, json_wanted)
-        except _Reject as reject:
+        except Reject as reject:
             self.count_rejected(reject.status)
             return self._error(reject, json_wanted)
         except ClientDisconnect:
@@ -226,24 +223,24 @@ class OtlpReceiver:
         headers = request.headers
         if self.token is not None and not hmac.compare_digest(
                 headers.get("Authorization", "").encode(), f"Bearer {self.token}".encode()):
-            raise _Reject(401, "missing or wrong bearer token", close=True)
+            raise Reject(401, "missing or wrong bearer token", close=True)
         kind = _content_type(request)
         if kind not in (PROTOBUF, JSON):
-            raise _Reject(415, f"unsupported Content-Type {kind!r} ({PROTOBUF} or {JSON})",
+            raise Reject(415, f"unsupported Content-Type {kind!r} ({PROTOBUF} or {JSON})",
                           close=True)
         encoding = headers.get("Content-Encoding", "").strip().lower()
         if encoding not in ENCODINGS:
-            raise _Reject(415, f"unsupported Content-Encoding {encoding!r} (gzip, deflate)",
+            raise Reject(415, f"unsupported Content-Encoding {encoding!r} (gzip, deflate)",
                           close=True)
         raw = headers.get("Content-Length", "").strip()
         if not raw.isdigit():
-            raise _Reject(411, "Content-Length required", close=True)
+            raise Reject(411, "Content-Length required", close=True)
         length, limit = int(raw), self.limits.max_body_bytes
         if length > limit:
-            raise _Reject(413, f"body of {length} bytes over the {limit}-byte limit",
+            raise Reject(413, f"body of {length} bytes over the {limit}-byte limit",
                           close=True)
         if self.receiving >= self.limits.max_receiving:
-            raise _Reject(429, f"busy: {self.limits.max_receiving} bodies being received",
+            raise Reject(429, f"busy: {self.limits.max_receiving} bodies being received",
                           close=True, retry_after=self.limits.retry_after_s)
         self.receiving += 1
         try:
@@ -252,60 +249,24 @@ class OtlpReceiver:
                 async for chunk in request.stream():
                     chunks.append(chunk)
         except TimeoutError:
-            raise _Reject(408, f"body not received within {self.limits.body_timeout_s:g}s",
+            raise Reject(408, f"body not received within {self.limits.body_timeout_s:g}s",
                           close=True) from None
         finally:
             self.receiving -= 1
         body = b"".join(chunks)
         if len(body) < length:
-            raise _Reject(400, "body shorter than its Content-Length", close=True)
+            raise Reject(400, "body shorter than its Content-Length", close=True)
         return body, kind, encoding
 
     def _work(self, body: bytes, kind: str, encoding: str, json_wanted: bool) -> bytes:
-        """On a worker thread, holding an in-flight slot: decompress, decode, map,
-        publish; returns the 200 body or raises _Reject."""
+        """On a worker thread, holding an in-flight slot: decompress, then the shared
+        export path; returns the 200 body or raises Reject."""
         try:
             body = decompress(body, encoding, self.limits.max_body_bytes)
-            with self._cpu:  # one request at a time: threads contending for the GIL
-                try:         # cost more than they overlap; publishing still overlaps
-                    decoded = decode_json(body) if kind == JSON else decode_protobuf(body)
-                except PayloadError as exc:
-                    raise _Reject(400, str(exc)) from None
-                batch = map_spans(decoded.spans, decoded.bad,
-                                  capture=self.emitter.capture_message)
-            self._publish(batch)
-        finally:
-            self._admission.release()
-        self._count(decoded, batch)
-        return self._response(batch, json_wanted)
-
-    def _publish(self, batch: MappedBatch) -> None:
-        items: list[Any] = [*batch.events, *(u.to_message() for u in batch.unmapped)]
-        if not items:
-            return
-        try:
-            self.emitter.send_and_wait(
-                items, self.limits.publish_timeout_s,
-                captures=batch.captures if self.settings.capture != "off" else ())
-        except KafkaError as exc:
-            log.warning("broker did not acknowledge a span batch: %s", exc)
-            raise _Reject(503, f"broker did not acknowledge: {type(exc).__name__}",
-                          retry_after=self.limits.retry_after_s) from None
-
-    def _count(self, decoded: DecodedRequest, batch: MappedBatch) -> None:
-        with self._stats_lock:
-            stats = self.stats
-            stats.requests += 1
-            stats.accepted += 1
-            stats.spans += len(decoded.spans) + len(decoded.bad)
-            stats.events += len(batch.events)
-            stats.dead_letters += len(batch.unmapped)
-            stats.ignored_spans += batch.ignored
-            stats.conventions.update(batch.conventions)
-        if batch.unmapped:
-            log.warning("%d spans not mapped (dead-lettered), first: %s",
-                        len(batch.unmapped), batch.unmapped[0].reason)
-        log.debug("span batch conventions %s", dict(batch.conventions))
+        except BaseException:
+            self.core.admission.release()
+            raise
+        return self._response(self.core.export(body, kind), json_wanted)
 
     async def _http_error(self, request: Request, exc: Exception) -> Response:
         """Routing's 404 and 405, as the google.rpc.Status OTLP/HTTP asks for."""
@@ -314,10 +275,10 @@ class OtlpReceiver:
         reason = (f"no such path {request.url.path!r}; use {TRACES_PATH}" if status == 404
                   else f"POST OTLP trace requests to {TRACES_PATH}")
         json_wanted = request.method != "POST" or _content_type(request) == JSON
-        return self._error(_Reject(status, reason, close=True), json_wanted)
+        return self._error(Reject(status, reason, close=True), json_wanted)
 
     @staticmethod
-    def _error(reject: _Reject, json_wanted: bool) -> Response:
+    def _error(reject: Reject, json_wanted: bool) -> Response:
         code = _RPC_CODES.get(reject.status, 2)
         if json_wanted:
             body, kind = orjson.dumps({"code": code, "message": reject.reason}), JSON
@@ -334,15 +295,14 @@ class OtlpReceiver:
 
     @staticmethod
     def _response(batch: MappedBatch, json_wanted: bool) -> bytes:
-        if not batch.unmapped:
+        partial = partial_success(batch)
+        if partial is None:
             return b"{}" if json_wanted else b""
-        message = "; ".join(sorted({u.reason for u in batch.unmapped}))[:2000]
-        message = f"{len(batch.unmapped)} spans dead-lettered: {message}"
         if json_wanted:
             return orjson.dumps({"partialSuccess": {
-                "rejectedSpans": str(len(batch.unmapped)), "errorMessage": message}})
-        return ExportTraceServiceResponse(partial_success=ExportTracePartialSuccess(
-            rejected_spans=len(batch.unmapped), error_message=message)).SerializeToString()
+                "rejectedSpans": str(partial.rejected_spans),
+                "errorMessage": partial.error_message}})
+        return ExportTraceServiceResponse(partial_success=partial).SerializeToString()
 
 
 def _content_type(request: Request) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -19,7 +19,10 @@ class OtlpSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LOOPWATCH_OTLP_", frozen=True, extra="ignore")
 
     host: str = Field("127.0.0.1", description="loopback by default: no auth is the default")
-    port: int = Field(4318, ge=0, le=65535, description="0 = a free port")
+    port: int = Field(4318, ge=0, le=65535, description="OTLP/HTTP port; 0 = a free port")
+    grpc_port: int | None = Field(
+        4317, ge=0, le=65535, description="OTLP/gRPC port beside HTTP (same host, token, "
+        "limits and export path); 0 = a free port; `off` (or empty) = no gRPC receiver")
     token: str | None = Field(None, description="require `Authorization: Bearer <token>`")
     max_body_bytes: int = Field(
         16 * 1024 * 1024, ge=1024, description="per request, after decompression (413 above)")
@@ -37,6 +40,18 @@ class OtlpSettings(BaseSettings):
     publish_timeout_s: float = Field(
         10.0, gt=0, description="wait this long for the broker's ack, then 503 + Retry-After")
     retry_after_s: int = Field(2, ge=1, description="the Retry-After we send with 429/503")
+    grpc_max_connection_age_s: float = Field(
+        300.0, gt=0, description="a gRPC connection is asked to reconnect (GOAWAY) after "
+        "this long and closed body_timeout_s + publish_timeout_s later, so a client that "
+        "never finishes its message holds its slot no longer than that")
+
+    @field_validator("grpc_port", mode="before")
+    @classmethod
+    def _off(cls, value: object) -> object:
+        """``off``, ``none`` or empty disables the gRPC receiver."""
+        if isinstance(value, str) and value.strip().lower() in ("", "off", "none"):
+            return None
+        return value
 
 
 def load_otlp_settings(**overrides: Any) -> OtlpSettings:

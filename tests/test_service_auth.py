@@ -34,8 +34,8 @@ from loopwatch.runtime import _insert_action
 from loopwatch.store.clickhouse import connect, run_query
 from loopwatch.store.reader import QueryError, ServiceReader, ServiceUnreachable
 from loopwatch.store.service import MAX_SOCKET_PATH, SERVICE_HOST, ServiceInUse, StoreService
+from tests.browser import chromium
 from tests.conftest import wait_for
-from tests.test_webview import CHROMEDRIVER, CHROMIUM
 
 NOBODY = 65534
 needs_root = pytest.mark.skipif(os.geteuid() != 0,
@@ -312,20 +312,9 @@ Promise.allSettled(attempts).then(results => {
 
 
 @pytest.fixture()
-def browser() -> Iterator[Any]:
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu",
-                     "--disable-dev-shm-usage", "--window-size=800,600"):
-        options.add_argument(argument)
-    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
-    try:
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    with chromium(tmp_path_factory.mktemp("chromium-profile"), window="800,600") as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 def test_a_page_on_another_origin_can_neither_read_nor_write_through_the_store(

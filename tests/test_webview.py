@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import socket
 import time
 import urllib.error
@@ -31,10 +30,8 @@ from dashboards.sample import ensure_seeded
 from dashboards.web.api import BadRequest, NotFound, WebApi
 from dashboards.web.server import make_server, serve_in_thread
 from loopwatch.store.reader import DirectReader
+from tests.browser import chromium
 from tests.conftest import ServiceLikeReader, wait_for
-
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMEDRIVER = Path("/usr/bin/chromedriver")
 
 
 @pytest.fixture(scope="module")
@@ -267,27 +264,8 @@ def test_static_path_tricks_are_404_and_never_a_file_outside_static(seeded, serv
 
 @pytest.fixture()
 def browser(tmp_path):
-    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
-        pytest.fail("the browser test needs Debian's chromium and chromium-driver "
-                    "(apt-get install chromium chromium-driver)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
-
-    os.environ["SE_OFFLINE"] = "true"  # Selenium Manager must never download anything
-    options = Options()
-    options.binary_location = str(CHROMIUM)
-    for argument in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                     "--no-first-run", "--disable-background-networking",
-                     "--disable-component-update", "--disable-sync",
-                     f"--user-data-dir={tmp_path / 'chromium-profile'}",
-                     "--window-size=1440,900"):
-        options.add_argument(argument)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
-    driver.set_page_load_timeout(60)
-    yield driver
-    driver.quit()
+    with chromium(tmp_path / "chromium-profile", console_log=True) as driver:
+        yield driver
 
 
 def settle(driver: Any, expected: int) -> list[dict[str, Any]]:

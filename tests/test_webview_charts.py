@@ -11,11 +11,9 @@ from pixels.
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,10 +26,8 @@ from loopwatch.reprocess import MemoryRunStore
 from loopwatch.store.reader import DirectReader
 from processors.pipeline import Pipeline, RawMessage
 from processors.sink import ClickHouseSink
+from tests.browser import chromium
 from tests.conftest import ServiceLikeReader
-
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMEDRIVER = Path("/usr/bin/chromedriver")
 
 #: Wraps the global ``uPlot`` the vendored script defines so every chart the page makes
 #: is kept in ``window.__plots`` (the page itself exposes nothing for tests).
@@ -130,27 +126,10 @@ def server(local_store) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
-        pytest.fail("the browser test needs Debian's chromium and chromium-driver "
-                    "(apt-get install chromium chromium-driver)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
-
-    os.environ["SE_OFFLINE"] = "true"  # Selenium Manager must never download anything
-    options = Options()
-    options.binary_location = str(CHROMIUM)
-    profile = tmp_path_factory.mktemp("chromium-profile")
-    for argument in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                     "--no-first-run", "--disable-background-networking",
-                     "--disable-component-update", "--disable-sync",
-                     f"--user-data-dir={profile}", "--window-size=1440,900"):
-        options.add_argument(argument)
-    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
-    driver.set_page_load_timeout(60)
-    driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": CAPTURE_PLOTS})
-    yield driver
-    driver.quit()
+    with chromium(tmp_path_factory.mktemp("chromium-profile")) as driver:
+        driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument",
+                               {"source": CAPTURE_PLOTS})
+        yield driver
 
 
 def _open(browser: Any, url: str, panels: list[str]) -> dict[str, dict[str, Any]]:

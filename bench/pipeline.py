@@ -572,20 +572,16 @@ def query_latencies(up: UpProcess, runs: int = 3) -> dict[str, float]:
 
 
 def stored_bytes(up: UpProcess) -> float:
-    compressed = up.reader.query(
-        "SELECT sum(data_compressed_bytes) FROM system.parts "
-        "WHERE database = 'loopwatch' AND active").scalar()
-    return float(compressed or 0)
+    """Compressed bytes of the store's active parts (the store service's owner-only
+    ``storage`` action: system tables are outside user SQL)."""
+    return float(up.reader.post("/admin/storage", {"top": 0})["compressed_bytes"])
 
 
 def stored_bytes_breakdown(up: UpProcess, events: int, top: int = 8) -> str:
     """The biggest columns by compressed bytes per event (what to shrink next)."""
-    rows = up.reader.query(
-        "SELECT table, name, sum(data_compressed_bytes) AS bytes FROM system.columns "
-        "WHERE database = 'loopwatch' GROUP BY table, name ORDER BY bytes DESC "
-        f"LIMIT {int(top)}").rows
+    columns = up.reader.post("/admin/storage", {"top": int(top)})["columns"]
     return ", ".join(f"{table}.{name} {float(size) / max(events, 1):.1f}"
-                     for table, name, size in rows)
+                     for table, name, size in columns)
 
 
 def bulk_load(data_dir: Path, events: int, seed: int) -> int:

@@ -48,7 +48,7 @@ from loopwatch.store.reader import (
 )
 from loopwatch.store.remote_sink import INSERT_PATH, ServiceSink, decode_batch
 from loopwatch.store.service import StoreService
-from loopwatch.store.sizecap import start_size_cap
+from loopwatch.store.sizecap import start_size_cap, storage_report
 from loopwatch.topics import LagProbe, ensure_topics
 from processors.app import Processor
 from processors.runs import RunState, pending_label_state, seen_from_ids
@@ -515,6 +515,8 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
                 "replayed": replay_pending(admin_client, bootstrap, settings)},
             "reprocess": lambda body: reprocess_with(
                 admin_client, settings, datetime.fromisoformat(body["since"])),
+            "storage": lambda body: storage_report(
+                admin_client, settings.database, int(body.get("top", 8))),
         }
         raw_actions = {INSERT_PATH.removeprefix("/admin/"):
                        _insert_action(lambda: connect(settings))}

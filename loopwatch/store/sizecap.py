@@ -18,6 +18,7 @@ import threading
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from clickhouse_connect.driver.client import Client
 
@@ -131,3 +132,19 @@ def start_size_cap(settings: Settings, client: Client, stop: threading.Event,
     thread = threading.Thread(target=loop, name="size-cap", daemon=True)
     thread.start()
     return thread
+
+
+def storage_report(client: Client, database: str, top: int = 8) -> dict[str, Any]:
+    """Compressed bytes of the store's active parts and its biggest columns: what the
+    bench reports per event. System tables are out of user SQL's reach (the guard), so
+    this is one of the store service's owner-only admin actions."""
+    total = client.query(
+        "SELECT sum(data_compressed_bytes) FROM system.parts "
+        "WHERE database = {database:String} AND active",
+        parameters={"database": database}).result_rows[0][0]
+    columns = client.query(
+        "SELECT table, name, sum(data_compressed_bytes) AS bytes FROM system.columns "
+        "WHERE database = {database:String} GROUP BY table, name ORDER BY bytes DESC "
+        "LIMIT {top:UInt32}", parameters={"database": database, "top": top}).result_rows
+    return {"compressed_bytes": int(total or 0),
+            "columns": [[table, name, int(size)] for table, name, size in columns]}

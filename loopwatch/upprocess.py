@@ -67,7 +67,7 @@ class UpProcess:
 
     def rejoin(self, timeout_s: float = 90.0) -> UpProcess:
         """After the child restarted itself in place (same pid: its embedded broker was
-        lost), wait for its new store-service announcement."""
+        lost), wait for its new store-service announcement (a new ``started_at``)."""
         settings = load_settings(data_dir=self.data_dir)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -75,7 +75,7 @@ class UpProcess:
                 raise RuntimeError(f"loopwatch up exited; see {self.data_dir}/logs/up.log")
             announced = running_service(settings)
             if (announced and announced.get("pid") == self.process.pid  # type: ignore[union-attr]
-                    and announced.get("url") != self.info.get("url")):
+                    and announced.get("started_at") != self.info.get("started_at")):
                 self.info = announced
                 return self
             time.sleep(0.2)

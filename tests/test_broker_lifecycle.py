@@ -154,7 +154,7 @@ def test_a_lost_broker_is_restarted_on_its_port_with_a_new_incarnation(
                      60, what="a new broker incarnation")
     assert after.bootstrap == before.bootstrap and after.pid != before.pid
     up_pid = up.process.pid if up.process else None
-    up.rejoin()  # `up` restarted itself in place: same pid, a new store-service port
+    up.rejoin()  # `up` restarted itself in place: same pid, a new announcement
     assert up.process is not None and up.process.pid == up_pid
     assert is_tansu(after.pid, after.port) and after.stopped_at is None
     with Emitter(after.bootstrap, spool_dir=tmp_path / "spool-after") as emitter:

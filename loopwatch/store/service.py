@@ -24,6 +24,7 @@ import os
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -183,8 +184,11 @@ class StoreService:
             if not self._thread.is_alive():
                 raise RuntimeError(f"the store service did not start on {self.socket_path}")
             self._thread.join(0.02)
+        # started_at tells one announcement from the next at the same socket (an `up` that
+        # re-executed itself after losing its broker keeps its pid and its socket path)
         write_private(self._service_file, dumps({"url": self.url, "socket": str(self.socket_path),
-                                                 "pid": os.getpid(), **announce}))
+                                                 "pid": os.getpid(), "started_at": time.time(),
+                                                 **announce}))
         return self.url
 
     def stop(self) -> None:

@@ -1048,10 +1048,22 @@ class RunContext:
 
     def end(self, terminal_reason: str | None, **fields: Any) -> EventBase:
         """The ``run.end``; unless given, its ``total_steps`` is the number of steps this
-        context sent, which the store checks against the steps it got (``steps_lost``)."""
-        self.ended = True
+        context sent, which the store checks against the steps it got (``steps_lost``).
+
+        A ``run.end`` the contract refuses (a misspelt terminal reason, say) still raises
+        here, but the run is not left open until it is abandoned: it ends at once as
+        ``crash`` (a hard error) with the refusal's type as its ``error_type``.
+        """
         fields.setdefault("total_steps", self.steps_sent)
-        return self._emit(RunEnd, terminal_reason=terminal_reason, **fields)
+        try:
+            event = self._emit(RunEnd, terminal_reason=terminal_reason, **fields)
+        except Exception as exc:
+            self.ended = True
+            self._emit(RunEnd, terminal_reason="crash", total_steps=self.steps_sent,
+                       error_type=f"invalid run.end: {type(exc).__name__}")
+            raise
+        self.ended = True
+        return event
 
     def timed_tool_call(
         self,

@@ -342,3 +342,27 @@ def test_capture_messages_spool_with_their_topic_and_are_resent(tmp_path: Path):
             for _, k, m in found] == [(run.run_id.encode(), {"args": {"id": 7},
                                                              "output": ["row 1"]})]
     assert emitter.spool.size() == 0
+
+
+def test_a_refused_run_end_raises_and_ends_the_run_as_a_hard_error(emitter, reader, agent):
+    """``run.end("finished")`` (a misspelt terminal reason) raised but left the run marked
+    ended, so no ``crash`` end followed and the run stayed open until abandoned. Now the
+    call still raises, and the run is closed at once as a hard error, the refusal kept."""
+    from pydantic import ValidationError
+
+    from tests.conftest import scalar, wait_for
+
+    run_id = f"{agent}-bad-end"
+    with pytest.raises(ValidationError), emitter.run(run_id=run_id, agent=agent) as run:
+        run.step()
+        run.end("finished")
+    assert emitter.flush(30)
+    wait_for(lambda: scalar(reader, "SELECT status FROM runs FINAL WHERE run_id = {r:String}",
+                            r=run_id) == "closed", 90, what="the run closed")
+    row = reader.query("SELECT outcome, terminal_reason, steps FROM runs FINAL "
+                       "WHERE run_id = {r:String}", {"r": run_id}).rows
+    assert row == [["hard_error", "crash", 1]]
+    errors = reader.query("SELECT JSONExtractString(payload, 'error_type') FROM events "
+                          "WHERE run_id = {r:String} AND event_type = 'run.end'",
+                          {"r": run_id}).rows
+    assert errors == [["invalid run.end: ValidationError"]]

@@ -371,7 +371,7 @@ def test_what_loopwatch_keeps_is_private_under_umask_022(tmp_path: Path):
     try:
         data = tmp_path / "data"
         spool = DiskSpool(data / "spool" / "agent-1", max_bytes=10_000)
-        assert spool.append([b'{"event": 1}']) == 1
+        assert spool.append([b'{"event": 1}']).records == 1
         outbox = Outbox(data / "outbox" / "notifications.jsonl", {"hook": object()})  # type: ignore[dict-item]
         outbox.put([{"alert": "x"}])
     finally:
@@ -379,7 +379,8 @@ def test_what_loopwatch_keeps_is_private_under_umask_022(tmp_path: Path):
     assert {str(p.relative_to(tmp_path)): oct(mode(p)) for p in sorted(data.rglob("*"))} | {
         "data": oct(mode(data))} == {
         "data": "0o700", "data/spool": "0o700", "data/spool/agent-1": "0o700",
-        "data/spool/agent-1/spool.jsonl": "0o600", "data/outbox": "0o700",
+        "data/spool/agent-1/lock": "0o600",
+        "data/spool/agent-1/seg-000000000000.log": "0o600", "data/outbox": "0o700",
         "data/outbox/notifications.jsonl": "0o600"}
 
 

@@ -31,6 +31,7 @@ import random
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -128,13 +129,18 @@ def _client(port: int, bodies: list[bytes], connections: int,
                 time.sleep(float(response.getheader("Retry-After") or 0.05) / 20)
         conn.close()
 
+    results.put({"seconds": _run_workers(worker, connections), "codes": codes})
+
+
+def _run_workers(worker: Callable[[], None], connections: int) -> float:
+    """Run ``worker`` on ``connections`` threads at once; the seconds until all ended."""
     threads = [threading.Thread(target=worker) for _ in range(connections)]
     started = time.perf_counter()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    results.put({"seconds": time.perf_counter() - started, "codes": codes})
+    return time.perf_counter() - started
 
 
 def _grpc_client(address: str, bodies: list[bytes], connections: int,
@@ -169,13 +175,7 @@ def _grpc_client(address: str, bodies: list[bytes], connections: int,
                         break
                     time.sleep(0.1)
 
-    threads = [threading.Thread(target=worker) for _ in range(connections)]
-    started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    results.put({"seconds": time.perf_counter() - started, "codes": codes})
+    results.put({"seconds": _run_workers(worker, connections), "codes": codes})
 
 
 def _timed(target: Any, args: tuple[Any, ...], results: Any) -> tuple[dict[str, Any], float]:

@@ -15,14 +15,9 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from ingest.announce import default_data_dir
 from ingest.events import TEST_TRAFFIC_SLICES
 from loopwatch.masking import safe_address, safe_url
-
-
-def default_data_dir() -> Path:
-    """Per-user default: ``$XDG_DATA_HOME/loopwatch`` or ``~/.local/share/loopwatch``."""
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "loopwatch"
 
 
 class LoopDetectorSettings(BaseSettings):

@@ -245,6 +245,17 @@ INSERTABLE = frozenset({"events", "events_in", "llm_calls", "tool_calls", "runs"
                         "capture_staging_blobs"})
 
 
+def _fault_skip_message() -> tuple[int, int] | None:
+    """``LOOPWATCH_FAULT_SKIP_MESSAGE=partition:offset``: the processor's agent does not
+    see that message once, as when faust loses its hand-over in a rebalance (tests of
+    processors/continuity.py; never set in normal operation)."""
+    value = os.environ.get("LOOPWATCH_FAULT_SKIP_MESSAGE")
+    if not value:
+        return None
+    partition, _, offset = value.partition(":")
+    return int(partition), int(offset)
+
+
 def run_worker(settings: Settings, loglevel: str = "warning") -> None:
     """An extra processor process: the same faust app in the same consumer group, writing
     through the store owner (embedded) or straight to the ClickHouse server."""
@@ -493,7 +504,8 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
         if fault_marker:
             sink = FaultInjectingSink(sink, Path(fault_marker))
         processor = Processor(settings, bootstrap, sink,
-                              open_runs=open_runs, lookup_run=lookup_run)
+                              open_runs=open_runs, lookup_run=lookup_run,
+                              skip_once=_fault_skip_message())
         store = (safe_url(settings.clickhouse_url) if settings.clickhouse_url
                  else f"chdb://{settings.chdb_path}")  # announced and printed: no password
 

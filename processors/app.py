@@ -31,6 +31,7 @@ import orjson
 
 from loopwatch.config import Settings
 from processors.capture_app import register_captures
+from processors.continuity import PartitionContinuity
 from processors.deadletter import DeadLetterRecord
 from processors.kafka_writes import KafkaWrites, record_limit
 from processors.pipeline import Pipeline, RawMessage, Work
@@ -301,8 +302,14 @@ class Processor:
         sink: Sink,
         open_runs: Any = None,
         lookup_run: Any = None,
+        skip_once: tuple[int, int] | None = None,
     ) -> None:
+        """``skip_once`` (partition, offset) hides that message from the agent once, as
+        faust's lost hand-over does (:mod:`processors.continuity`): fault injection for
+        tests, never set in normal operation."""
         self.settings = settings
+        self.continuity = PartitionContinuity()
+        self._skip_once = skip_once
         self.sink = RetryingSink(sink, settings.sink_retry_s)
         self._open_runs = open_runs
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sink")
@@ -352,7 +359,13 @@ class Processor:
             """Recovery may rewrite the table: the sweep's deadline index is rebuilt."""
             self.pipeline.invalidate_index()
 
+        def forget_revoked(sender: Any, /, *args: Any, signal: Any, **kwargs: Any) -> None:
+            revoked = args[0] if args else kwargs.get("revoked", ())
+            self.continuity.forget(tp.partition for tp in revoked
+                                   if tp.topic == settings.events_topic)
+
         self.app.on_partitions_assigned.connect(reindex_on_assignment)
+        self.app.on_partitions_revoked.connect(forget_revoked)
         self.app.agent(self.events_topic, name="assemble-runs")(self._assemble)
         self.app.timer(settings.sweep_interval_s, name="sweep-runs")(self._sweep)
         self.app.timer(CAUGHT_UP_INTERVAL_S, name="caught-up")(self._refresh_caught_up)
@@ -384,6 +397,9 @@ class Processor:
         ):
             for event in events:
                 event.message.incref()
+            events = await self._without_holes(events)
+            if not events:
+                continue
             messages = [
                 RawMessage(e.message.topic, e.message.partition, e.message.offset,
                            e.message.value)
@@ -400,6 +416,24 @@ class Processor:
                 raise
             except RetriesStopped:
                 return
+
+    async def _without_holes(self, events: list[Any]) -> list[Any]:
+        """The taken events up to any hole in their partition's offsets; a partition
+        with a hole is read again from it (:mod:`processors.continuity`). Events kept
+        back keep their extra reference, so they are never acknowledged: their copies
+        read again are."""
+        if self._skip_once is not None:
+            hidden = self._skip_once
+            shown = [e for e in events if (e.message.partition, e.message.offset) != hidden]
+            if len(shown) != len(events):
+                self._skip_once = None
+                events = shown
+        by_position = {(e.message.partition, e.message.offset): e for e in events}
+        admitted, reread = self.continuity.admit(by_position)
+        for partition, offset in reread.items():
+            tp = next(e.message.tp for e in events if e.message.partition == partition)
+            await self.app.consumer.seek(tp, offset)
+        return [by_position[position] for position in admitted]
 
     async def _ack_when_stored(self, stream: Any, events: list[Any],
                                batch: asyncio.Future[list[asyncio.Future[None]]],

@@ -58,6 +58,10 @@ DEFERRED_MAX_ROWS = 40_000
 WRITES_IN_FLIGHT = 2
 #: how often :meth:`Processor.caught_up` is brought up to date
 CAUGHT_UP_INTERVAL_S = 1.0
+#: an idle processor reads a partition again from its next expected offset when the
+#: partition's end is past it and none of its messages came for this long
+#: (:meth:`processors.continuity.PartitionContinuity.stalled`)
+STALLED_PARTITION_S = 5.0
 
 
 #: the producer's record batches (the state changelog's, ~1 record per run per batch,
@@ -310,6 +314,7 @@ class Processor:
         self.settings = settings
         self.continuity = PartitionContinuity()
         self._skip_once = skip_once
+        self._last_acked: asyncio.Future[None] | None = None
         self.sink = RetryingSink(sink, settings.sink_retry_s)
         self._open_runs = open_runs
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sink")
@@ -392,6 +397,7 @@ class Processor:
         """
         tune_gc()
         acked: asyncio.Future[None] | None = None
+        self._last_acked = None
         async for events in stream.take_events(
             self.settings.batch_max_events, within=self.settings.batch_max_wait_s
         ):
@@ -408,6 +414,7 @@ class Processor:
             batch = asyncio.ensure_future(self._process_batch(messages))
             acked = asyncio.ensure_future(self._ack_when_stored(stream, events, batch, acked))
             acked.add_done_callback(_report_unstored)
+            self._last_acked = acked
             try:
                 await asyncio.shield(batch)
             except asyncio.CancelledError:
@@ -516,8 +523,23 @@ class Processor:
         for the store (in an outage, until it is back)."""
         try:
             self._caught_up = self._compute_caught_up()
+            await self._reread_stalled()
         except Exception:  # a timer's exception would crash the app
             log.exception("could not tell whether the processor is caught up")
+
+    async def _reread_stalled(self) -> None:
+        """An idle processor (every taken batch acknowledged) whose partition has
+        messages past the next expected offset, none of which came for
+        ``STALLED_PARTITION_S``, reads it again from there: a hole at a partition's
+        end (:mod:`processors.continuity`)."""
+        if not self._ready() or (self._last_acked is not None and not self._last_acked.done()):
+            return
+        consumer = self.app.consumer
+        owned = {tp.partition: tp for tp in self.app.assignor.assigned_actives()
+                 if tp.topic == self.settings.events_topic}
+        ends = {partition: consumer.highwater(tp) or 0 for partition, tp in owned.items()}
+        for partition, offset in self.continuity.stalled(ends, STALLED_PARTITION_S).items():
+            await consumer.seek(owned[partition], offset)
 
     def _ready(self) -> bool:
         recovery = self.app.tables.recovery  # type: ignore[attr-defined]

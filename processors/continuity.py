@@ -17,6 +17,12 @@ copies read again are folded and acknowledged in offset order. A hole that is st
 there after ``max_attempts`` re-reads (offsets the broker no longer has, e.g. deleted by
 retention) is accepted and counted, so the partition cannot wedge.
 
+A hole at a partition's end has no later message to show it: the SIGKILL test also saw
+the last envelope of a partition never handed over, the group's lag stuck at 1.
+:meth:`PartitionContinuity.stalled` names the partitions whose end is past the next
+expected offset while none of their messages came for a while (the processor calls it
+when idle) and :class:`processors.app.Processor` reads them again from there.
+
 >>> seen = PartitionContinuity()
 >>> seen.admit([(0, 10), (1, 4), (0, 11)])
 ([(0, 10), (1, 4), (0, 11)], {})
@@ -30,12 +36,26 @@ retention) is accepted and counted, so the partition cannot wedge.
 ([(0, 7)], {})
 >>> (seen.holes_found, seen.holes_accepted)
 (1, 0)
+>>> now = [100.0]
+>>> tail = PartitionContinuity(clock=lambda: now[0])
+>>> tail.admit([(3, 25), (3, 26)])
+([(3, 25), (3, 26)], {})
+>>> tail.stalled({3: 28}, quiet_s=5.0)  # 27 exists, but it has only just been missed
+{}
+>>> now[0] += 5.0
+>>> tail.stalled({3: 28}, quiet_s=5.0)
+{3: 27}
+>>> tail.stalled({3: 28}, quiet_s=5.0)  # read again: wait as long before the next try
+{}
+>>> tail.stalled({3: 27}, quiet_s=0.0)  # at its end: nothing missing
+{}
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable, Mapping
 
 log = logging.getLogger(__name__)
 
@@ -50,19 +70,26 @@ Position = tuple[int, int]
 class PartitionContinuity:
     """The next offset expected on each partition, and the holes being read again."""
 
-    def __init__(self, max_attempts: int = MAX_ATTEMPTS) -> None:
+    def __init__(self, max_attempts: int = MAX_ATTEMPTS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.max_attempts = max_attempts
+        self._clock = clock
         self._next: dict[int, int] = {}
+        #: when each partition last handed over a message (or was last read again)
+        self._moved_at: dict[int, float] = {}
         self._attempts: dict[Position, int] = {}
         #: holes seen (each counted once), and holes given up on after ``max_attempts``
         self.holes_found = 0
         self.holes_accepted = 0
+        #: times a partition's end was read again after it stalled
+        self.stalls = 0
 
     def admit(self, positions: Iterable[Position]) -> tuple[list[Position], dict[int, int]]:
         """The positions to process now, in order, and ``{partition: offset}`` to read
         again from. A partition with a hole has none of its later positions admitted."""
         admitted: list[Position] = []
         reread: dict[int, int] = {}
+        now = self._clock()
         for partition, offset in positions:
             if partition in reread:
                 continue
@@ -84,16 +111,35 @@ class PartitionContinuity:
                           "re-reads; going on without them", partition, expected,
                           offset - 1, attempts)
             self._next[partition] = offset + 1
+            self._moved_at[partition] = now
             if self._attempts:
                 self._attempts = {hole: n for hole, n in self._attempts.items()
                                   if hole[0] != partition or hole[1] > offset}
             admitted.append((partition, offset))
         return admitted, reread
 
+    def stalled(self, ends: Mapping[int, int], quiet_s: float) -> dict[int, int]:
+        """``{partition: next expected offset}`` for each partition whose end offset
+        (``ends``: the next offset the broker will write) is past the next expected
+        one although none of its messages came for ``quiet_s``; each is counted as
+        read again from there, and not named again for another ``quiet_s``."""
+        now = self._clock()
+        stalled = {partition: expected for partition, expected in self._next.items()
+                   if ends.get(partition, 0) > expected
+                   and now - self._moved_at.get(partition, now) >= quiet_s}
+        for partition, expected in stalled.items():
+            self._moved_at[partition] = now
+            self.stalls += 1
+            log.warning("events partition %d has messages from %d to %d but none came for "
+                        "%.0f s: reading it again from %d", partition, expected,
+                        ends[partition] - 1, quiet_s, expected)
+        return stalled
+
     def forget(self, partitions: Iterable[int]) -> None:
         """Partitions this worker no longer reads: whoever reads them next starts from the
         group's committed offset, which may be past what was seen here."""
         for partition in partitions:
             self._next.pop(partition, None)
+            self._moved_at.pop(partition, None)
             self._attempts = {hole: n for hole, n in self._attempts.items()
                               if hole[0] != partition}

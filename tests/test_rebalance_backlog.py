@@ -20,8 +20,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kafka import KafkaConsumer, TopicPartition
 
 from ingest.sdk import Emitter
+from loopwatch.config import Settings
 from loopwatch.upprocess import UpProcess
 from tests.conftest import scalar, wait_for
 from tests.test_broker_lifecycle import ENV, EVENTS_PER_RUN, assert_runs_exact, stored, stream
@@ -29,6 +31,7 @@ from tests.test_broker_lifecycle import ENV, EVENTS_PER_RUN, assert_runs_exact, 
 pytestmark = pytest.mark.stack  # starts its own broker, `loopwatch up` and workers
 
 AGENT = "churn"
+ENV_TOPIC = Settings.model_fields["events_topic"].default
 RUNS = 20_000
 
 
@@ -104,6 +107,38 @@ def test_a_message_the_consumer_skipped_is_read_again_and_stored(tmp_path: Path)
         assert_runs_exact(up, "hole", expected)
         log = (up.data_dir / "logs" / "worker.log").read_text()
         assert "events partition 1 delivered offset 4 after 2: reading it again from 3" in log
+    finally:
+        up.stop()
+        up.discard_broker()
+
+
+def test_a_partitions_last_message_skipped_is_read_again_once_it_stalls(tmp_path: Path):
+    """A hole at a partition's end has no later message to show it (the SIGKILL test saw
+    that too: a partition's last envelope never handed over, the group's lag stuck at 1).
+    Partition 1's last message is hidden once from an `up` that adopts the broker holding
+    the whole stream: once idle, the processor reads the partition again from there."""
+    up = UpProcess(tmp_path / "data", ENV)
+    expected: dict[str, str] = {}
+    try:
+        up.start()
+        bootstrap = up.info["kafka_bootstrap"]
+        up.kill()
+        with Emitter(bootstrap, spool_dir=tmp_path / "spool") as emitter:
+            stream(emitter, "tail", 0, 200, expected, chunk=25)
+        consumer = KafkaConsumer(bootstrap_servers=bootstrap)
+        try:
+            last = consumer.end_offsets([TopicPartition(ENV_TOPIC, 1)])[
+                TopicPartition(ENV_TOPIC, 1)] - 1
+        finally:
+            consumer.close()
+        up.env["LOOPWATCH_FAULT_SKIP_MESSAGE"] = f"1:{last}"
+        up.start()
+        total = 200 * EVENTS_PER_RUN
+        wait_for(lambda: stored(up, "tail")[0] >= total, 120, what="every event stored")
+        assert stored(up, "tail") == (total, total)
+        assert_runs_exact(up, "tail", expected)
+        log = (up.data_dir / "logs" / "worker.log").read_text()
+        assert f"reading it again from {last}" in log
     finally:
         up.stop()
         up.discard_broker()

@@ -90,7 +90,7 @@ REVISION_NEEDED = pytest.mark.xfail(strict=True, reason=(
 
 @pytest.mark.parametrize(("service", "root", "chat", "tool", "simple", "expected"), [
     pytest.param("otel-bot-svc", GEN_AI_ROOT, GEN_AI_CHAT, GEN_AI_TOOL, True, "otel-bot",
-                 id="gen_ai-simple-child-before-root", marks=REVISION_NEEDED),
+                 id="gen_ai-simple-child-before-root"),
     pytest.param("otel-bot-svc", GEN_AI_ROOT, GEN_AI_CHAT, GEN_AI_TOOL, False, "otel-bot",
                  id="gen_ai-one-batch"),
     pytest.param("oi-bot", OI_ROOT, OI_LLM, OI_TOOL, True, "oi-bot",

@@ -15,9 +15,10 @@ Ranks, most authoritative last (``agent_rank`` in ``llm_calls`` and ``tool_calls
   between two of them, the span that started first wins (an agent span starts before
   the sub-agents it calls), so the winner does not depend on batching;
 - :data:`ROOT_AGENT_NAME`: ``gen_ai.agent.name`` of the root span;
-- :data:`EXPLICIT`: ``loopwatch.agent`` set on the span or its resource; and every
-  event that carries no claim (the SDK's, an import's): its emitter named the agent,
-  and such rows are never revised.
+- :data:`EXPLICIT`: ``loopwatch.agent`` set on the root span or its resource: it
+  decides the trace. Set on another span it names that span's rows only, which make
+  no claim; nor does any event of another source (the SDK's, an import's): their
+  emitter named the agent, they are stored at this rank and never revised.
 
 The claim travels as two extras of the event, :data:`RANK_EXTRA` and
 :data:`NAMED_AT_EXTRA` (the start of the span that named the agent, ns, for rank

@@ -28,7 +28,8 @@ sub-agents it calls); else the root's resource ``service.name``. A span name is 
 an agent name (OpenInference's agent span is often just called ``agent``), and a
 sub-agent's own name does not split a run. ``loopwatch.<field>`` span or resource
 attributes set any context field (agent, task_type, prompt_version, deployment, ...)
-explicitly, and win over the rule.
+explicitly, and win over the rule: the root's explicit agent is the trace's, another
+span's is its own rows'.
 One request rarely holds a whole trace (``SimpleSpanProcessor`` exports each child
 before its root), so the rule is applied over the spans of the request, and every
 event says how far that got it: its claim's rank (:mod:`ingest.attribution`), e.g. a
@@ -372,8 +373,9 @@ class _Mapper:
         if not c.CONTEXT_NAMES.isdisjoint(span.attributes):
             context = dict(shared)
             self._apply(span, context)
-        if "agent" in context:
-            return {**context, **attribution.extras(attribution.EXPLICIT)}
+        if "agent" in context:  # explicit: the root's decides the trace, another's its own
+            return context if span.parent_span_id else {
+                **context, **attribution.extras(attribution.EXPLICIT)}
         claim = self.batch.trace_agent(span)
         return {**context, "agent": claim.agent,
                 **attribution.extras(claim.rank, claim.named_at)}

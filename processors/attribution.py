@@ -62,7 +62,8 @@ def attribute(state: RunState, event: EventBase, claim: Claim
         state.agent = claim.agent
         state.agent_rank = claim.rank
         state.agent_named_at = claim.named_at
-        return event, claim.rank, current is not None
+        # a run with events but no claim: folded by a build before claims (an upgrade)
+        return event, claim.rank, current is not None or state.version > 0
     if claim.rank == EXPLICIT:
         return event, EXPLICIT, False
     if event.agent != current.agent:

@@ -278,3 +278,41 @@ def test_one_agent_per_trace_in_a_batch_whoever_names_it():
     assert [(e.event_type, e.span_id, e.agent) for e in map_spans(spans).events] == [
         ("run.start", AGENT_SPAN, "support"), ("llm.call", CHAT_SPAN, "support"),
         ("llm.call", CHAT2_SPAN, "support"), ("run.end", AGENT_SPAN, "support")]
+
+
+def test_each_request_says_how_far_it_decided_the_agent():
+    """The receiver is stateless: each event carries its request's claim (rank, and the
+    naming span's start for a non-root name). A child alone: its own service, rank 0;
+    the root alone: its name, rank 3 (its service, rank 1, without one); a non-root
+    agent span: rank 2 at its start; ``loopwatch.agent`` on the root: rank 4; on a
+    child: that row's own agent, no claim at all."""
+    chat = {"gen_ai.operation.name": "chat", "gen_ai.usage.input_tokens": 10}
+    child = span("chat gpt-4o", CHAT_SPAN, AGENT_SPAN, chat, 10, 20, resource={
+        "service.name": "child-svc"})
+    named_root = span("invoke_agent support", AGENT_SPAN, "", {
+        "gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": "support"}, 0, 50)
+    plain_root = span("invoke_workflow", AGENT_SPAN, "", {
+        "gen_ai.operation.name": "invoke_workflow"}, 0, 50, resource={"service.name": "wf"})
+    sub_agent = span("invoke_agent helper", CHAT2_SPAN, AGENT_SPAN, {
+        "gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": "helper"}, 5, 40)
+    explicit_root = span("invoke_agent support", AGENT_SPAN, "", {
+        "gen_ai.operation.name": "invoke_agent", "loopwatch.agent": "pinned"}, 0, 50)
+    explicit_child = span("chat gpt-4o", CHAT_SPAN, AGENT_SPAN, {
+        **chat, "loopwatch.agent": "mine"}, 10, 20)
+
+    def claims(spans: list[Any]) -> list[tuple[str, str, Any, Any]]:
+        return [(e.event_type, e.agent, (e.__pydantic_extra__ or {}).get("otel_agent_rank"),
+                 (e.__pydantic_extra__ or {}).get("otel_agent_named_at"))
+                for e in map_spans(spans).events]
+
+    start = 1_767_225_600_000_000_000 + 5_000_000
+    assert claims([child]) == [("llm.call", "child-svc", 0, 0)]
+    assert claims([named_root]) == [("run.start", "support", 3, 0), ("run.end", "support", 3, 0)]
+    assert claims([plain_root]) == [("run.start", "wf", 1, 0), ("run.end", "wf", 1, 0)]
+    assert claims([sub_agent]) == [("run.start", "helper", 2, start),
+                                   ("run.end", "helper", 2, start)]
+    assert claims([child, plain_root]) == [("run.start", "wf", 1, 0),
+                                           ("llm.call", "wf", 1, 0), ("run.end", "wf", 1, 0)]
+    assert claims([explicit_root]) == [("run.start", "pinned", 4, 0),
+                                       ("run.end", "pinned", 4, 0)]
+    assert claims([explicit_child]) == [("llm.call", "mine", None, None)]

@@ -36,13 +36,19 @@ REVISIONS_TABLE = "agent_revisions"
 #: the tables whose rows a revision rewrites (keyed by (ts, event_id), version agent_rank)
 REVISED_TABLES = ("llm_calls", "tool_calls")
 
+#: one statement per table for a batch's revisions: run i's rows take agents[i] and
+#: ranks[i] (the condition is inside the subquery: outside it, REPLACE's aliases would
+#: shadow the stored agent and rank)
 _REVISE = (
-    "INSERT INTO {table} SELECT * REPLACE ({{agent:String}} AS agent, "
-    "{{rank:UInt8}} AS agent_rank) FROM (SELECT * FROM {table} FINAL "
+    "INSERT INTO {table} SELECT * REPLACE ("
+    "{{agents:Array(String)}}[indexOf({{runs:Array(String)}}, run_id)] AS agent, "
+    "{{ranks:Array(UInt8)}}[indexOf({{runs:Array(String)}}, run_id)] AS agent_rank) "
+    "FROM (SELECT * FROM {table} FINAL "
     "WHERE ts >= fromUnixTimestamp64Milli({{since:Int64}}, 'UTC') "
     "AND ts <= fromUnixTimestamp64Milli({{until:Int64}}, 'UTC') "
-    "AND run_id = {{run:String}} AND agent_rank < {explicit} "
-    "AND (agent_rank < {{rank:UInt8}} OR agent != {{agent:String}}))"
+    "AND run_id IN {{runs:Array(String)}} AND agent_rank < {explicit} "
+    "AND (agent_rank < {{ranks:Array(UInt8)}}[indexOf({{runs:Array(String)}}, run_id)] "
+    "OR agent != {{agents:Array(String)}}[indexOf({{runs:Array(String)}}, run_id)]))"
 )
 
 
@@ -92,11 +98,18 @@ def _checked(row: Any) -> dict[str, Any]:
 
 
 def revise(client: Client, rows: list[Any]) -> None:
-    """Apply revisions (rows of :data:`REVISIONS_TABLE`) to the revised tables."""
-    for row in [_checked(row) for row in rows]:
-        parameters = {"run": row["run_id"], "agent": row["agent"],
-                      "rank": row["agent_rank"], "since": row["since_ms"],
-                      "until": row["until_ms"]}
-        for table in REVISED_TABLES:
-            client.command(_REVISE.format(table=table, explicit=EXPLICIT),
-                           parameters=parameters)
+    """Apply revisions (rows of :data:`REVISIONS_TABLE`) to the revised tables: one
+    statement per table for all of them (a batch of SimpleSpanProcessor traces revises
+    most of its runs), over the time span of them all; the last revision of a run in
+    the list wins (the pipeline writes one per run per batch)."""
+    checked = {row["run_id"]: row for row in (_checked(row) for row in rows)}
+    if not checked:
+        return
+    revisions = list(checked.values())
+    parameters = {"runs": [row["run_id"] for row in revisions],
+                  "agents": [row["agent"] for row in revisions],
+                  "ranks": [row["agent_rank"] for row in revisions],
+                  "since": min(row["since_ms"] for row in revisions),
+                  "until": max(row["until_ms"] for row in revisions)}
+    for table in REVISED_TABLES:
+        client.command(_REVISE.format(table=table, explicit=EXPLICIT), parameters=parameters)

@@ -242,3 +242,24 @@ def test_a_malformed_revision_over_the_store_service_is_refused(store, revision)
             "since_ms": T0 // 1_000_000, "until_ms": T0 // 1_000_000 + 5000}
     assert insert(encode_batch(RowBatch({REVISIONS_TABLE: [good]}))) == {"tables": 1}
     assert _rows(client, trace.trace)["llm_calls"] == [("bot", 3, 1200)]
+
+
+def test_one_batch_revises_many_runs_each_to_its_own_agent(store):
+    """A batch that raises several runs' claims revises them in one statement per
+    table: each run's rows take its own agent, and no other run's rows move."""
+    settings, client = store
+    traces = [Trace({"gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": name})
+              for name in ("alpha", "beta", "gamma")]
+    bystander = Trace()
+    pipeline, sink = Pipeline(settings, MemoryRunStore()), ClickHouseSink(client)
+    _deliver(pipeline, sink, [[t.chat(), t.tool()] for t in [*traces, bystander]])
+    work = pipeline.process([_message([t.root() for t in traces], 10)])
+    assert [row["agent"] for row in work.rows.tables[REVISIONS_TABLE]] == [
+        "alpha", "beta", "gamma"]
+    sink.write_batch(work.rows)
+    assert [(_rows(client, t.trace)["llm_calls"], _rows(client, t.trace)["tool_calls"])
+            for t in [*traces, bystander]] == [
+        ([("alpha", 3, 1200)], [("alpha", 3, "lookup")]),
+        ([("beta", 3, 1200)], [("beta", 3, "lookup")]),
+        ([("gamma", 3, 1200)], [("gamma", 3, "lookup")]),
+        ([("child-svc", 0, 1200)], [("child-svc", 0, "lookup")])]

@@ -51,6 +51,7 @@ from loopwatch.store.service import StoreService
 from loopwatch.store.sizecap import start_size_cap, storage_report
 from loopwatch.topics import LagProbe, ensure_topics
 from processors.app import Processor
+from processors.attribution import REVISIONS_TABLE
 from processors.runs import RunState, pending_label_state, seen_from_ids
 from processors.sink import ClickHouseSink, FaultInjectingSink, RowBatch, Sink
 
@@ -242,7 +243,7 @@ def _insert_action(connect_client: Callable[[], Any]) -> Callable[[bytes], dict[
 
 INSERTABLE = frozenset({"events", "events_in", "llm_calls", "tool_calls", "runs", "labels",
                         "annotations", "dead_letters", "capture_staging",
-                        "capture_staging_blobs"})
+                        "capture_staging_blobs", REVISIONS_TABLE})
 
 
 def _fault_skip_message() -> tuple[int, int] | None:

@@ -20,6 +20,10 @@ waits in state, ``awaiting_run``, with no ``runs`` row: the run's events fold in
 they come within the label window (counted ``pending_labels_matched``), else the sweep
 forgets it (``pending_labels_expired``). Both count among ``labels_unmatched`` first.
 
+An OTLP span's event claims its trace's agent (:mod:`processors.attribution`): the
+run keeps the best claim, stores every later row under it, and a better claim revises
+the rows stored before it (a revision row of the batch that raised the claim).
+
 The sweep does not scan every state: each run the pipeline stores is filed under its
 next deadline (abandonment while open, forgetting once closed) in coarse buckets of
 event time, and a sweep only visits the buckets the watermark has passed. The index is
@@ -36,10 +40,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol
 
+from ingest.attribution import EXPLICIT, claim_of
 from ingest.events import Annotation, EventBase, Label, LlmCall, RunStart, ToolCall
 from ingest.wire import DeadLetter, Decoded, decode_message, encode_event
 from loopwatch.config import Settings
-from processors import rows
+from processors import attribution, rows
 from processors.deadletter import DeadLetterRecord, bounded, payload_limit
 from processors.pricing import PriceTable, cost_mismatch
 from processors.runs import RunState, abandon_if_expired, apply_event, ms, new_state
@@ -131,6 +136,8 @@ class Pipeline:
         self._bucket_of: dict[str, int] = {}
         self._buckets: list[int] = []
         self._index_stale = True
+        #: runs whose stored rows a better agent claim must revise (next settle)
+        self._revise: set[str] = set()
 
     def watermark_ms(self) -> int:
         late_ms = int(self.settings.late_allowance_s * 1000)
@@ -204,6 +211,9 @@ class Pipeline:
                 continue
             if row is not None:  # labels waiting for their run have no row
                 work.rows.add("runs", row)
+                if state.run_id in self._revise:
+                    work.rows.add(attribution.REVISIONS_TABLE, attribution.revision_row(state))
+            self._revise.discard(state.run_id)
         return work
 
     def sweep(self) -> Work:
@@ -385,6 +395,13 @@ class Pipeline:
         if isinstance(event, Annotation):
             work.rows.add("annotations", rows.annotation_row(event, now))
             return
+        agent_rank = EXPLICIT
+        claim = claim_of(event)
+        if claim is not None:  # an OTLP span's: the run's agent decides (see module)
+            event, agent_rank, revise = attribution.attribute(
+                self._state_for(touched, event, message.partition, event_ms), event, claim)
+            if revise:
+                self._revise.add(event.run_id)
         priced_cost = 0.0
         if isinstance(event, LlmCall):
             priced = self.prices.cost(
@@ -397,10 +414,11 @@ class Pipeline:
             )
             self.counters.cost_mismatches += int(mismatch)
             priced_cost = priced.cost_usd
-            work.rows.add("llm_calls", rows.llm_call_row(event, priced, mismatch, now))
+            work.rows.add("llm_calls", rows.llm_call_row(event, priced, mismatch, now,
+                                                         agent_rank))
         elif isinstance(event, ToolCall):
             work.rows.add("tool_calls", rows.tool_call_row(event, self.settings.near_miss_factor,
-                                                           now))
+                                                           now, agent_rank))
         elif isinstance(event, Label):
             work.rows.add("labels", rows.label_row(event, now))
         state = self._state_for(touched, event, message.partition, event_ms)

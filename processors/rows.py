@@ -12,6 +12,7 @@ from typing import Any
 
 import orjson
 
+from ingest.attribution import EXPLICIT
 from ingest.events import Annotation, EventBase, Label, LlmCall, ToolCall
 from ingest.wire import exact_json
 from processors.pricing import PricedCall
@@ -101,8 +102,9 @@ def event_json(columns: dict[str, Any], payload: str | bytes) -> bytes:
     return orjson.dumps(fields)
 
 
-def llm_call_row(event: LlmCall, priced: PricedCall, mismatch: bool, now: datetime
-                 ) -> dict[str, Any]:
+def llm_call_row(event: LlmCall, priced: PricedCall, mismatch: bool, now: datetime,
+                 agent_rank: int = EXPLICIT) -> dict[str, Any]:
+    """``agent_rank``: how authoritative the row's agent is (processors.attribution)."""
     return {
         "event_id": event.event_id,
         "ts": event.ts,
@@ -139,6 +141,7 @@ def llm_call_row(event: LlmCall, priced: PricedCall, mismatch: bool, now: dateti
         "stop_reason": event.stop_reason or "",
         "system_prompt_hash": event.system_prompt_hash or "",
         "ingested_at": now,
+        "agent_rank": agent_rank,
     }
 
 
@@ -154,7 +157,8 @@ def near_miss(event: ToolCall, factor: float) -> int | None:
     return int(event.late_completion_ms <= factor * event.timeout_ms)
 
 
-def tool_call_row(event: ToolCall, near_miss_factor: float, now: datetime) -> dict[str, Any]:
+def tool_call_row(event: ToolCall, near_miss_factor: float, now: datetime,
+                  agent_rank: int = EXPLICIT) -> dict[str, Any]:
     return {
         "event_id": event.event_id,
         "ts": event.ts,
@@ -180,6 +184,7 @@ def tool_call_row(event: ToolCall, near_miss_factor: float, now: datetime) -> di
         "result_size_bytes": event.result_size_bytes,
         "attempt": event.attempt,
         "ingested_at": now,
+        "agent_rank": agent_rank,
     }
 
 

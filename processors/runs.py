@@ -99,6 +99,10 @@ class RunState:
     #: ``bytes``, or an ordered dict past :data:`SEEN_PACKED_IDS` (see :func:`remember`)
     seen: bytes | dict[bytes, None] = b""
     version: int = 0
+    #: the rank of ``agent``'s claim (:mod:`ingest.attribution`), -1 while no event
+    #: made one (an SDK run); ``agent_named_at``: when its naming span started (ns)
+    agent_rank: int = -1
+    agent_named_at: int = 0
     #: True while the state holds only labels, for a run not seen yet (a label that
     #: came first): it has no ``runs`` row, and its first other event makes it a run
     awaiting_run: bool = False

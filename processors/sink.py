@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import orjson
 from clickhouse_connect.driver.client import Client
 
+from processors.attribution import REVISIONS_TABLE, revise
 from processors.rows import dead_letter_row, failure_reason, letter_id
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,23 @@ class RowBatch:
 
     def __len__(self) -> int:
         return sum(len(rows) for rows in self.tables.values())
+
+
+#: the tables a batch writes last, in this order: revisions of stored rows after the
+#: rows they revise, and runs (whose state holds what was revised) after both
+_LAST = (REVISIONS_TABLE, "runs")
+
+
+def write_order(batch: RowBatch) -> list[str]:
+    """The batch's tables in the order they are written (see :data:`_LAST`).
+
+    >>> batch = RowBatch()
+    >>> for table in ("runs", REVISIONS_TABLE, "llm_calls"): batch.add(table, {})
+    >>> write_order(batch)
+    ['llm_calls', 'agent_revisions', 'runs']
+    """
+    return sorted(batch.tables, key=lambda table: _LAST.index(table) + 1
+                  if table in _LAST else 0)
 
 
 class Sink(Protocol):
@@ -111,7 +129,8 @@ class ClickHouseSink:
         self.unstorable = 0
 
     def write_batch(self, batch: RowBatch) -> None:
-        for table, rows in batch.tables.items():
+        for table in write_order(batch):
+            rows = batch.tables[table]
             if rows:
                 self.write_json(table, self._encoded(table, rows))
 
@@ -141,7 +160,10 @@ class ClickHouseSink:
         return encode_rows(good)
 
     def write_json(self, table: str, data: bytes) -> None:
-        """Insert rows already encoded by :func:`encode_rows`."""
+        """Insert rows already encoded by :func:`encode_rows` (revisions: apply them)."""
+        if table == REVISIONS_TABLE:
+            revise(self._client, orjson.loads(data))
+            return
         self._client.raw_insert(table, insert_block=data, fmt="JSONEachRow",
                                 settings=JSON_INSERT_SETTINGS)
 

@@ -45,9 +45,12 @@ BASELINE_SHA256 = {
     "005_capture.sql": "01a58ad02ece43531633d61c90745016f754a71fda3813c1ee4be3c81ba4d1b2",
     "006_events_in.sql": "207a5e23d2e481f2f69a034dde938b1e4d8af2aa25817e02bb091bedf6006573",
 }
-NEW = ["007_ingested_at.sql", "008_minutes.sql", "009_cache_token_names.sql"]
+NEW = ["007_ingested_at.sql", "008_minutes.sql", "009_cache_token_names.sql",
+       "010_agent_revisions.sql"]
 #: tables that gained ingested_at in 007 (events had it)
 GAINED = ("llm_calls", "tool_calls", "runs", "labels", "annotations")
+#: tables rebuilt by 010 with agent_rank (0 for the rows they had)
+REKEYED = ("llm_calls", "tool_calls")
 
 
 def _settings(local_store: tuple[Settings, Client]) -> Settings:
@@ -89,8 +92,9 @@ def _contents(client: Client, database: str) -> dict[str, list[tuple[Any, ...]]]
         columns = ", ".join(f"toString(`{name}`)" for (name,) in client.query(
             "SELECT name FROM system.columns WHERE database = {d:String} AND "
             "table = {t:String} AND NOT (name = 'ingested_at' AND table IN {g:Array(String)})"
+            " AND NOT (name = 'agent_rank' AND table IN {k:Array(String)})"
             " AND default_kind != 'ALIAS' ORDER BY position",
-            parameters={"d": database, "t": table, "g": list(GAINED)}
+            parameters={"d": database, "t": table, "g": list(GAINED), "k": list(REKEYED)}
         ).result_rows)
         found[table] = sorted(tuple(row) for row in client.query(
             f"SELECT {columns} FROM {database}.{table}").result_rows)
@@ -201,11 +205,36 @@ def test_the_single_node_cluster_ddl_upgrades_and_records_what_it_applied(local_
                        "AND name = 'llm_calls_local'", parameters={"d": settings.database}
                        ).result_rows[0][0]
     assert "TTL ingested_at + toIntervalDay(180)" in ttl
+    for name in ("llm_calls_local", "tool_calls_local"):  # 010's rebuild, by exchange
+        assert client.query(
+            "SELECT sorting_key, engine FROM system.tables WHERE database = {d:String} AND "
+            "name = {t:String}", parameters={"d": settings.database, "t": name}
+        ).result_rows == [("ts, event_id", "ReplacingMergeTree")], name
+    assert client.query("SELECT count() FROM system.tables WHERE database = {d:String} AND "
+                        "name LIKE '%v010%'", parameters={"d": settings.database}
+                        ).result_rows == [(0,)]
+    client.command(f"INSERT INTO {settings.database}.llm_calls (event_id, ts, run_id, agent, "
+                   "agent_rank) VALUES (generateUUIDv4(), now64(3), 'r', 'a', 2)")
+    assert client.query(f"SELECT agent_rank FROM {settings.database}.llm_calls_local"
+                        ).result_rows == [(2,)]
     client.command(f"DROP DATABASE {settings.database}")
 
 
 def test_the_cluster_ddl_alters_local_and_distributed_tables_on_cluster():
     ddl = render_cluster_ddl("prod", "lw")
+    for table in ("llm_calls", "tool_calls"):  # 010's rebuild
+        at = ddl.index(f"EXCHANGE TABLES lw.{table}_v010_local AND lw.{table}_local "
+                       "ON CLUSTER prod")
+        assert "ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/{uuid}/{shard}', " \
+               "'{replica}', agent_rank)" in ddl[at - 3]
+        assert ddl[at - 1].startswith(f"INSERT INTO lw.{table}_v010 (event_id, ts, ")
+        assert ddl[at - 1].endswith(f"FROM lw.{table}\nSETTINGS insert_distributed_sync = 1")
+        assert ddl[at + 1:at + 5] == [
+            f"DROP TABLE IF EXISTS lw.{table} ON CLUSTER prod",
+            f"CREATE TABLE lw.{table} ON CLUSTER prod AS lw.{table}_local\nENGINE = "
+            f"Distributed('prod', 'lw', '{table}_local', cityHash64(run_id))",
+            f"DROP TABLE IF EXISTS lw.{table}_v010 ON CLUSTER prod",
+            f"DROP TABLE IF EXISTS lw.{table}_v010_local ON CLUSTER prod"]
     column = ("ADD COLUMN IF NOT EXISTS ingested_at DateTime64(3, 'UTC') DEFAULT now64(3) "
               "CODEC(ZSTD(1))")
     for table in GAINED:
@@ -287,3 +316,51 @@ def test_the_cache_token_columns_take_the_sdk_names_and_keep_the_old_as_aliases(
     assert _kinds(fresh_client, fresh.database, "runs") == expected
     for database in (settings.database, fresh.database):
         client.command(f"DROP DATABASE {database}")
+
+
+def _keys(client: Client, database: str) -> dict[str, tuple[str, str]]:
+    return {name: (key, engine.split(" ORDER BY")[0]) for name, key, engine in client.query(
+        "SELECT name, sorting_key, engine_full FROM system.tables WHERE database = {d:String}"
+        " AND name IN ('llm_calls', 'tool_calls', 'llm_calls_v010', 'tool_calls_v010') "
+        "ORDER BY name", parameters={"d": database}).result_rows}
+
+
+REKEYED_TABLES = {"llm_calls": ("ts, event_id", "ReplacingMergeTree(agent_rank) PARTITION BY "
+                                "toYYYYMM(ts)"),
+                  "tool_calls": ("ts, event_id", "ReplacingMergeTree(agent_rank) PARTITION BY "
+                                 "toYYYYMM(ts)")}
+
+
+def test_010_rekeys_the_call_tables_and_can_run_again_after_a_crash(local_store):
+    """Issue 26 item 1: llm_calls and tool_calls are keyed by (ts, event_id) with
+    agent_rank as the version, so a revised row replaces the row it revises; the rows a
+    store had keep their values (rank 0). A crash after the exchange, before the old
+    table was dropped (or before the record), is repaired by running 010 again: the
+    copy and the exchange are skipped, nothing is swapped back or copied twice."""
+    settings = _settings(local_store)
+    old = _load_main_store(settings)
+    assert _keys(old, settings.database)["llm_calls"][0] == "agent, ts, event_id"
+    client = migrate(settings)
+    assert _keys(client, settings.database) == REKEYED_TABLES
+    rows = "SELECT run_id, agent, agent_rank, input_tokens FROM llm_calls FINAL ORDER BY run_id"
+    assert client.query(rows).result_rows == [("fx-run-0", "fx-agent", 0, 7),
+                                              ("fx-run-1", "fx-agent", 0, 120)]
+    # the crash: the old table still beside the new one, 010 not recorded
+    client.command("CREATE TABLE llm_calls_v010 (event_id UUID, ts DateTime64(3, 'UTC'), "
+                   "agent String) ENGINE = ReplacingMergeTree ORDER BY (agent, ts, event_id)")
+    client.command(f"DELETE FROM {RECORD_TABLE} WHERE name = '010_agent_revisions.sql'")
+    assert apply_migrations(client, settings.database) == ["010_agent_revisions.sql"]
+    assert _keys(client, settings.database) == REKEYED_TABLES
+    assert client.query(rows).result_rows == [("fx-run-0", "fx-agent", 0, 7),
+                                              ("fx-run-1", "fx-agent", 0, 120)]
+    assert client.query("SELECT count() FROM llm_calls").result_rows == [(2,)]
+    # a revised row replaces the row it revises, whichever comes last
+    client.command("INSERT INTO llm_calls SELECT * REPLACE ('fx-bot' AS agent, 3 AS agent_rank)"
+                   " FROM llm_calls WHERE run_id = 'fx-run-1'")
+    client.command("INSERT INTO llm_calls SELECT * REPLACE (1 AS agent_rank) FROM llm_calls "
+                   "FINAL WHERE run_id = 'fx-run-0'")
+    client.command("INSERT INTO llm_calls SELECT * REPLACE ('fx-svc' AS agent, 0 AS agent_rank)"
+                   " FROM llm_calls WHERE run_id = 'fx-run-1' AND agent_rank = 3")
+    assert client.query(rows).result_rows == [("fx-run-0", "fx-agent", 1, 7),
+                                              ("fx-run-1", "fx-bot", 3, 120)]
+    client.command(f"DROP DATABASE {settings.database}")

@@ -114,7 +114,8 @@ def test_gen_ai_spans_map_to_a_run_with_exact_events():
     ]
     batch = map_spans(spans)
     context = {"agent_version": "3", "task_type": "refund", "agent_id": "asst_1",
-               "conversation_id": "conv-9", "otel_convention": "gen_ai"}
+               "conversation_id": "conv-9", "otel_convention": "gen_ai",
+               "otel_agent_rank": 3, "otel_agent_named_at": 0}  # the root named it
     assert dump(batch.events) == [
         base(AGENT_SPAN, "run.start", "2026-01-01T00:00:00Z", None, **context,
              model="claude-sonnet-4"),
@@ -150,7 +151,8 @@ def test_deprecated_gen_ai_names_and_exclusive_cache_counts():
     call = dump(batch.events)[1]
     assert call == base(
         CHAT_SPAN, "llm.call", "2026-01-01T00:00:00.310000Z", AGENT_SPAN,
-        otel_convention="gen_ai_deprecated", model="claude-3-5-haiku", provider="anthropic",
+        otel_convention="gen_ai_deprecated", otel_agent_rank=3, otel_agent_named_at=0,
+        model="claude-3-5-haiku", provider="anthropic",
         response_model="", purpose="agent", input_tokens=6400, output_tokens=50,
         cache_read_input_tokens=6000, cache_creation_input_tokens=0, cache_ttl="5m",
         token_convention="exclusive", latency_ms=300.0, attempt=1, otel_operation="chat")
@@ -182,7 +184,8 @@ def test_openinference_spans_map_like_gen_ai():
     ]
     batch = map_spans(spans)
     # The agent span's name ("support") is no agent name: the service's is (issue 26).
-    context = {"agent": "svc", "conversation_id": "s-1", "otel_convention": "openinference"}
+    context = {"agent": "svc", "conversation_id": "s-1", "otel_convention": "openinference",
+               "otel_agent_rank": 1, "otel_agent_named_at": 0}  # the root's service
     assert dump(batch.events) == [
         base(AGENT_SPAN, "run.start", "2026-01-01T00:00:00Z", None, **context),
         base(CHAT_SPAN, "llm.call", "2026-01-01T00:00:01.500000Z", AGENT_SPAN, **context,

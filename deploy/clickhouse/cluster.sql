@@ -2,7 +2,8 @@
 -- from loopwatch/store/migrations/*.sql; do not edit, re-render after a migration.
 -- Tables are <name>_local (Replicated*MergeTree) + <name> (Distributed); run it
 -- once against any node: every statement is ON CLUSTER and idempotent, except
--- RENAME COLUMN, which a cluster that has applied it must skip (docs/operations.md).
+-- RENAME COLUMN and a table rebuild (INSERT ... EXCHANGE TABLES), which a cluster
+-- that has applied them must skip (docs/operations.md).
 
 -- schema
 
@@ -597,6 +598,119 @@ SELECT
 FROM loopwatch.llm_calls FINAL
 GROUP BY minute, agent, task_type, model, prompt_version, deployment, traffic_slice;
 
+CREATE TABLE IF NOT EXISTS loopwatch.llm_calls_v010_local ON CLUSTER loopwatch
+(
+    event_id            UUID CODEC(ZSTD(1)),
+    ts                  DateTime64(3, 'UTC') CODEC(ZSTD(1)),
+    run_id              String CODEC(ZSTD(1)),
+    agent               LowCardinality(String) CODEC(ZSTD(1)),
+    task_type           LowCardinality(String) CODEC(ZSTD(1)),
+    model               LowCardinality(String) CODEC(ZSTD(1)),
+    response_model      LowCardinality(String) CODEC(ZSTD(1)),
+    provider            LowCardinality(String) CODEC(ZSTD(1)),
+    purpose             LowCardinality(String) CODEC(ZSTD(1)),
+    prompt_version      LowCardinality(String) CODEC(ZSTD(1)),
+    deployment          LowCardinality(String) CODEC(ZSTD(1)),
+    traffic_slice       LowCardinality(String) CODEC(ZSTD(1)),
+    step                Nullable(UInt32) CODEC(ZSTD(1)),
+    input_tokens        UInt64 CODEC(ZSTD(1)),
+    output_tokens       UInt64 CODEC(ZSTD(1)),
+    cache_read_input_tokens UInt64 CODEC(ZSTD(1)),
+    cache_creation_input_tokens UInt64 CODEC(ZSTD(1)),
+    uncached_input_tokens UInt64 CODEC(ZSTD(1)),
+    cache_ttl           LowCardinality(String) CODEC(ZSTD(1)),
+    token_convention    LowCardinality(String) CODEC(ZSTD(1)),
+    cost_usd            Float64 CODEC(ZSTD(1)),
+    reported_cost_usd   Nullable(Float64) CODEC(ZSTD(1)),
+    cost_mismatch       UInt8 CODEC(ZSTD(1)),
+    price_version       LowCardinality(String) CODEC(ZSTD(1)),
+    latency_ms          Float64 CODEC(ZSTD(1)),
+    ttft_ms             Nullable(Float64) CODEC(ZSTD(1)),
+    http_status         UInt16 CODEC(ZSTD(1)),
+    error_type          LowCardinality(String) CODEC(ZSTD(1)),
+    rate_limited        UInt8 CODEC(ZSTD(1)),
+    is_error            UInt8 CODEC(ZSTD(1)),
+    attempt             UInt16 CODEC(ZSTD(1)),
+    logical_op_id       String CODEC(ZSTD(1)),
+    stop_reason         LowCardinality(String) CODEC(ZSTD(1)),
+    system_prompt_hash  String CODEC(ZSTD(1)),
+    ingested_at         DateTime64(3, 'UTC') DEFAULT now64(3) CODEC(ZSTD(1)),
+    agent_rank          UInt8 CODEC(ZSTD(1)),
+    cache_read_tokens   UInt64 ALIAS cache_read_input_tokens,
+    cache_creation_tokens UInt64 ALIAS cache_creation_input_tokens
+)
+ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/{uuid}/{shard}', '{replica}', agent_rank)
+PARTITION BY toYYYYMM(ts)
+ORDER BY (ts, event_id);
+
+CREATE TABLE IF NOT EXISTS loopwatch.llm_calls_v010 ON CLUSTER loopwatch AS loopwatch.llm_calls_v010_local
+ENGINE = Distributed('loopwatch', 'loopwatch', 'llm_calls_v010_local', cityHash64(run_id));
+
+INSERT INTO loopwatch.llm_calls_v010 (event_id, ts, run_id, agent, task_type, model, response_model, provider, purpose, prompt_version, deployment, traffic_slice, step, input_tokens, output_tokens, cache_read_input_tokens, cache_creation_input_tokens, uncached_input_tokens, cache_ttl, token_convention, cost_usd, reported_cost_usd, cost_mismatch, price_version, latency_ms, ttft_ms, http_status, error_type, rate_limited, is_error, attempt, logical_op_id, stop_reason, system_prompt_hash, ingested_at, agent_rank)
+SELECT event_id, ts, run_id, agent, task_type, model, response_model, provider, purpose, prompt_version, deployment, traffic_slice, step, input_tokens, output_tokens, cache_read_input_tokens, cache_creation_input_tokens, uncached_input_tokens, cache_ttl, token_convention, cost_usd, reported_cost_usd, cost_mismatch, price_version, latency_ms, ttft_ms, http_status, error_type, rate_limited, is_error, attempt, logical_op_id, stop_reason, system_prompt_hash, ingested_at, 0 FROM loopwatch.llm_calls
+SETTINGS insert_distributed_sync = 1;
+
+EXCHANGE TABLES loopwatch.llm_calls_v010_local AND loopwatch.llm_calls_local ON CLUSTER loopwatch;
+
+DROP TABLE IF EXISTS loopwatch.llm_calls ON CLUSTER loopwatch;
+
+CREATE TABLE loopwatch.llm_calls ON CLUSTER loopwatch AS loopwatch.llm_calls_local
+ENGINE = Distributed('loopwatch', 'loopwatch', 'llm_calls_local', cityHash64(run_id));
+
+DROP TABLE IF EXISTS loopwatch.llm_calls_v010 ON CLUSTER loopwatch;
+
+DROP TABLE IF EXISTS loopwatch.llm_calls_v010_local ON CLUSTER loopwatch;
+
+CREATE TABLE IF NOT EXISTS loopwatch.tool_calls_v010_local ON CLUSTER loopwatch
+(
+    event_id            UUID CODEC(ZSTD(1)),
+    ts                  DateTime64(3, 'UTC') CODEC(ZSTD(1)),
+    run_id              String CODEC(ZSTD(1)),
+    agent               LowCardinality(String) CODEC(ZSTD(1)),
+    task_type           LowCardinality(String) CODEC(ZSTD(1)),
+    model               LowCardinality(String) CODEC(ZSTD(1)),
+    prompt_version      LowCardinality(String) CODEC(ZSTD(1)),
+    deployment          LowCardinality(String) CODEC(ZSTD(1)),
+    traffic_slice       LowCardinality(String) CODEC(ZSTD(1)),
+    tool                LowCardinality(String) CODEC(ZSTD(1)),
+    args_hash           String CODEC(ZSTD(1)),
+    step                Nullable(UInt32) CODEC(ZSTD(1)),
+    latency_ms          Float64 CODEC(ZSTD(1)),
+    timeout_ms          Nullable(Float64) CODEC(ZSTD(1)),
+    timed_out           UInt8 CODEC(ZSTD(1)),
+    late_completion_ms  Nullable(Float64) CODEC(ZSTD(1)),
+    near_miss           Nullable(UInt8) CODEC(ZSTD(1)),
+    error_type          LowCardinality(String) CODEC(ZSTD(1)),
+    http_status         UInt16 CODEC(ZSTD(1)),
+    is_error            UInt8 CODEC(ZSTD(1)),
+    result_count        Nullable(UInt32) CODEC(ZSTD(1)),
+    result_size_bytes   Nullable(UInt64) CODEC(ZSTD(1)),
+    attempt             UInt16 CODEC(ZSTD(1)),
+    ingested_at         DateTime64(3, 'UTC') DEFAULT now64(3) CODEC(ZSTD(1)),
+    agent_rank          UInt8 CODEC(ZSTD(1))
+)
+ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/{uuid}/{shard}', '{replica}', agent_rank)
+PARTITION BY toYYYYMM(ts)
+ORDER BY (ts, event_id);
+
+CREATE TABLE IF NOT EXISTS loopwatch.tool_calls_v010 ON CLUSTER loopwatch AS loopwatch.tool_calls_v010_local
+ENGINE = Distributed('loopwatch', 'loopwatch', 'tool_calls_v010_local', cityHash64(run_id));
+
+INSERT INTO loopwatch.tool_calls_v010 (event_id, ts, run_id, agent, task_type, model, prompt_version, deployment, traffic_slice, tool, args_hash, step, latency_ms, timeout_ms, timed_out, late_completion_ms, near_miss, error_type, http_status, is_error, result_count, result_size_bytes, attempt, ingested_at, agent_rank)
+SELECT event_id, ts, run_id, agent, task_type, model, prompt_version, deployment, traffic_slice, tool, args_hash, step, latency_ms, timeout_ms, timed_out, late_completion_ms, near_miss, error_type, http_status, is_error, result_count, result_size_bytes, attempt, ingested_at, 0 FROM loopwatch.tool_calls
+SETTINGS insert_distributed_sync = 1;
+
+EXCHANGE TABLES loopwatch.tool_calls_v010_local AND loopwatch.tool_calls_local ON CLUSTER loopwatch;
+
+DROP TABLE IF EXISTS loopwatch.tool_calls ON CLUSTER loopwatch;
+
+CREATE TABLE loopwatch.tool_calls ON CLUSTER loopwatch AS loopwatch.tool_calls_local
+ENGINE = Distributed('loopwatch', 'loopwatch', 'tool_calls_local', cityHash64(run_id));
+
+DROP TABLE IF EXISTS loopwatch.tool_calls_v010 ON CLUSTER loopwatch;
+
+DROP TABLE IF EXISTS loopwatch.tool_calls_v010_local ON CLUSTER loopwatch;
+
 -- retention
 --   events: 30 days by ingested_at (raw events (replay, reprocess, investigations))
 --   dead_letters: 30 days by received_at (refused raw input)
@@ -647,4 +761,4 @@ CREATE TABLE IF NOT EXISTS loopwatch.schema_migrations ON CLUSTER loopwatch
 ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/all/{database}/schema_migrations', '{replica}', applied_at)
 ORDER BY name;
 
-INSERT INTO loopwatch.schema_migrations (name, checksum, applied_at, how) VALUES ('001_tables.sql', 'e3eb8a4006cd5d08606a007182ef47cbc4937cd0bda877df524507ad971a83f8', now64(3), 'cluster.sql'), ('002_metric_views.sql', '9202fdc6febff65a49b7334e231875c16badce7fb29714e8e008eb114c1a6938', now64(3), 'cluster.sql'), ('003_alerts.sql', '37bc19c79eb3199bcb64b0204509850f6121b43f116fb0bf1ec75e7afa8fbc04', now64(3), 'cluster.sql'), ('004_gauges.sql', 'a6963d27e10ec99944d4c6c38dd585655525418ebab2439840cf24d124065cab', now64(3), 'cluster.sql'), ('005_capture.sql', '01a58ad02ece43531633d61c90745016f754a71fda3813c1ee4be3c81ba4d1b2', now64(3), 'cluster.sql'), ('006_events_in.sql', '207a5e23d2e481f2f69a034dde938b1e4d8af2aa25817e02bb091bedf6006573', now64(3), 'cluster.sql'), ('007_ingested_at.sql', '4fdee98e014c8e1b8ddd081c7ad87907e4fc7a9acaf8c99af0cb42764c91da70', now64(3), 'cluster.sql'), ('008_minutes.sql', 'c5b704741a8c658771355756948e57c486dc15cfa21c072e0b5d3c98bc2d3981', now64(3), 'cluster.sql'), ('009_cache_token_names.sql', '47236eb989556b044d00c9dfa42ea4e8eec07c2e20f9fac3870897c9d0cc414f', now64(3), 'cluster.sql');
+INSERT INTO loopwatch.schema_migrations (name, checksum, applied_at, how) VALUES ('001_tables.sql', 'e3eb8a4006cd5d08606a007182ef47cbc4937cd0bda877df524507ad971a83f8', now64(3), 'cluster.sql'), ('002_metric_views.sql', '9202fdc6febff65a49b7334e231875c16badce7fb29714e8e008eb114c1a6938', now64(3), 'cluster.sql'), ('003_alerts.sql', '37bc19c79eb3199bcb64b0204509850f6121b43f116fb0bf1ec75e7afa8fbc04', now64(3), 'cluster.sql'), ('004_gauges.sql', 'a6963d27e10ec99944d4c6c38dd585655525418ebab2439840cf24d124065cab', now64(3), 'cluster.sql'), ('005_capture.sql', '01a58ad02ece43531633d61c90745016f754a71fda3813c1ee4be3c81ba4d1b2', now64(3), 'cluster.sql'), ('006_events_in.sql', '207a5e23d2e481f2f69a034dde938b1e4d8af2aa25817e02bb091bedf6006573', now64(3), 'cluster.sql'), ('007_ingested_at.sql', '4fdee98e014c8e1b8ddd081c7ad87907e4fc7a9acaf8c99af0cb42764c91da70', now64(3), 'cluster.sql'), ('008_minutes.sql', 'c5b704741a8c658771355756948e57c486dc15cfa21c072e0b5d3c98bc2d3981', now64(3), 'cluster.sql'), ('009_cache_token_names.sql', '47236eb989556b044d00c9dfa42ea4e8eec07c2e20f9fac3870897c9d0cc414f', now64(3), 'cluster.sql'), ('010_agent_revisions.sql', 'dd4660b92beb1fbb182e7054f887c47939364ddcf86cf71a5e011314af5aeafb', now64(3), 'cluster.sql');

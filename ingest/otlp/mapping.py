@@ -20,16 +20,22 @@ of a run whenever it arrives. ``gen_ai.conversation.id`` (or OpenInference
 ``session.id``) is kept as the ``conversation_id`` extra. Event ids are derived from
 trace, span and event type, so a client retrying a batch cannot count it twice.
 
-The agent, one rule for every row of a trace (runs, model and tool calls alike): the
-trace's agent name (``gen_ai.agent.name``, or ``agent.name``) read from its root span
-first, else from the shallowest span of the trace that carries one; else the root's
-resource ``service.name``. A span name is never an agent name (OpenInference's agent
-span is often just called ``agent``), and a sub-agent's own name does not split a run.
-``loopwatch.<field>`` span or resource attributes set any context field (agent,
-task_type, prompt_version, deployment, ...) explicitly, and win over the rule.
-The rule is applied over the spans of one request: a span exported in an earlier
-request than the span that decides (``SimpleSpanProcessor`` exports each child before
-its root) keeps the agent its own request gave it, its resource's ``service.name``.
+The agent, one rule for every row of a trace (runs, model and tool calls alike),
+whatever the batching and the order its spans arrive in: the trace's agent name
+(``gen_ai.agent.name``, or ``agent.name``) from its root span first, else from the
+span of the trace that carries one and started first (an agent span starts before the
+sub-agents it calls); else the root's resource ``service.name``. A span name is never
+an agent name (OpenInference's agent span is often just called ``agent``), and a
+sub-agent's own name does not split a run. ``loopwatch.<field>`` span or resource
+attributes set any context field (agent, task_type, prompt_version, deployment, ...)
+explicitly, and win over the rule: the root's explicit agent is the trace's, another
+span's is its own rows'.
+One request rarely holds a whole trace (``SimpleSpanProcessor`` exports each child
+before its root), so the rule is applied over the spans of the request, and every
+event says how far that got it: its claim's rank (:mod:`ingest.attribution`), e.g. a
+child alone in its request takes its own resource's ``service.name`` at the lowest
+rank. The processors keep each run's best claim, store later rows under it and revise
+the rows stored before it came (:mod:`processors.attribution`).
 Every event records its span's convention in the ``otel_convention`` extra, and
 :class:`MappedBatch` counts the batch's spans per convention.
 
@@ -61,6 +67,8 @@ from typing import Any, TypeVar
 import orjson
 from pydantic import ValidationError
 
+from ingest import attribution
+from ingest.attribution import Claim
 from ingest.capture import CaptureMessage, part_hash
 from ingest.events import (
     EventBase,
@@ -236,17 +244,26 @@ class _Batch:
         self.trace_convention: dict[str, str] = {}
         self._agent_memo: dict[str, Span | None] = {}
         self.roots: dict[str, Span] = {}
-        named: dict[str, tuple[int, str]] = {}
+        root_named: dict[str, str] = {}
+        named: dict[str, tuple[int, str, str]] = {}
         for span in spans:
             if not span.parent_span_id:
                 self.roots.setdefault(span.trace_id, span)
             name = first(span.attributes, c.AGENT_NAME)
-            if name is not None:
-                depth = sum(1 for _ in self.ancestors(span)) if span.parent_span_id else -1
-                if span.trace_id not in named or depth < named[span.trace_id][0]:
-                    named[span.trace_id] = (depth, str(name))
-        #: each trace's agent name by the module doc's rule (root first, then shallowest)
-        self.trace_agent_name = {trace: name for trace, (_, name) in named.items()}
+            if name is None:
+                continue
+            if not span.parent_span_id:
+                root_named.setdefault(span.trace_id, str(name))
+            else:
+                earliest = (span.start_ns, span.span_id, str(name))
+                if span.trace_id not in named or earliest < named[span.trace_id]:
+                    named[span.trace_id] = earliest
+        #: each trace's agent claim by the module doc's rule (root first, then earliest)
+        self.trace_claim: dict[str, Claim] = {
+            trace: Claim(name, attribution.SPAN_AGENT_NAME, start)
+            for trace, (start, _, name) in named.items()}
+        self.trace_claim.update({trace: Claim(name, attribution.ROOT_AGENT_NAME)
+                                 for trace, name in root_named.items()})
         for span, (role, kind) in zip(spans, self.kinds, strict=True):
             if role is None or kind is None:
                 continue
@@ -260,16 +277,18 @@ class _Batch:
                     if self.role_of[key] == c.MODEL:
                         self.wrapped_models.add(key)
 
-    def trace_agent(self, span: Span) -> str | None:
-        """The agent of ``span``'s trace by the module doc's rule: its agent name, else
-        the root's ``service.name``; None when the batch has neither (the span's own
-        resource then decides)."""
-        name = self.trace_agent_name.get(span.trace_id)
-        if name is not None:
-            return name
+    def trace_agent(self, span: Span) -> Claim:
+        """The agent of ``span``'s trace by the module doc's rule, as far as this batch
+        tells: its agent name, else the root's ``service.name``, else the span's own."""
+        claim = self.trace_claim.get(span.trace_id)
+        if claim is not None:
+            return claim
         root = self.roots.get(span.trace_id)
         service = None if root is None else root.resource.get("service.name")
-        return str(service) if service else None
+        if service:
+            return Claim(str(service), attribution.ROOT_SERVICE)
+        service = span.resource.get("service.name")
+        return Claim(str(service) if service else "unknown", attribution.CHILD_SERVICE)
 
     def ancestors(self, span: Span) -> Iterator[Span]:
         current = span
@@ -354,16 +373,12 @@ class _Mapper:
         if not c.CONTEXT_NAMES.isdisjoint(span.attributes):
             context = dict(shared)
             self._apply(span, context)
-        if "agent" in context:
-            return context
-        return {**context, "agent": self._trace_agent(span)}
-
-    def _trace_agent(self, span: Span) -> str:
-        decided = self.batch.trace_agent(span)
-        if decided is not None:
-            return decided
-        service = span.resource.get("service.name")
-        return str(service) if service else "unknown"
+        if "agent" in context:  # explicit: the root's decides the trace, another's its own
+            return context if span.parent_span_id else {
+                **context, **attribution.extras(attribution.EXPLICIT)}
+        claim = self.batch.trace_agent(span)
+        return {**context, "agent": claim.agent,
+                **attribution.extras(claim.rank, claim.named_at)}
 
     def common(self, span: Span, convention: str, kind: str) -> dict[str, Any]:
         if not _is_hex_id(span.trace_id, 16):

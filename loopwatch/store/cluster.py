@@ -23,6 +23,14 @@ For a sharded, replicated ClickHouse cluster this module rewrites them:
   ``RENAME COLUMN`` is not repeatable once an ALIAS takes the old name back, so a
   cluster that has applied it must not be given it again (the migration runner skips
   it on one node, see :func:`loopwatch.store.schema_versions.rename_done`);
+- a rebuild (a table ``t`` re-keyed by migration ``NNN``: ``t_vNNN`` created, filled
+  from ``t``, exchanged with it and dropped, see
+  :mod:`loopwatch.store.schema_versions`) creates ``t_vNNN_local`` and its front, copies
+  through the fronts (a synchronous Distributed insert, so the copy is complete when
+  the statement returns), exchanges the ``_local`` tables ``ON CLUSTER`` and makes the
+  front of ``t`` again over the new columns. The new local table's replica path is
+  ``{uuid}``-based, so it stays unique after the exchange renames the table. A cluster
+  that has applied the rebuild skips it when the file is run again, as a RENAME;
 - a retention section sets TTLs on the ``_local`` tables (the defaults of
   :data:`loopwatch.store.retention.RETENTION`, which single-node ``migrate`` applies too);
 - a last section records every migration in ``schema_migrations``
@@ -51,6 +59,7 @@ from dataclasses import dataclass
 
 from loopwatch.store.retention import RETENTION, Retention
 from loopwatch.store.schema_versions import (
+    REBUILT,
     RECORD_COLUMNS,
     RECORD_TABLE,
     RECORD_TAIL,
@@ -82,6 +91,14 @@ _VIEW = re.compile(r"^CREATE OR REPLACE VIEW (?P<name>\w+) AS\s*(?P<query>.*)$",
 _MATERIALIZED_VIEW = re.compile(
     r"^CREATE MATERIALIZED VIEW IF NOT EXISTS (?P<name>\w+) TO (?P<target>\w+) AS\s*"
     r"(?P<query>.*)$", re.DOTALL)
+_REBUILD_COPY = re.compile(
+    r"^INSERT INTO (?P<new>\w+)_v(?P<number>\d{3}) \((?P<columns>[^)]*)\)\s*SELECT "
+    r"(?P<select>.*) FROM (?P<source>\w+)$", re.DOTALL)
+_REBUILD_SWAP = re.compile(r"^EXCHANGE TABLES (?P<new>\w+_v\d{3}) AND (?P<table>\w+)$")
+_REBUILD_DROP = re.compile(r"^DROP TABLE IF EXISTS (?P<new>\w+_v\d{3})$")
+#: where a rebuilt table keeps its replicas in Keeper: by the table's UUID (which ON
+#: CLUSTER gives every replica alike), since the exchange renames it
+REBUILD_REPLICA_PATH = "'/clickhouse/tables/{uuid}/{shard}', '{replica}'"
 _ALTER = re.compile(r"^ALTER TABLE (?P<name>\w+)\s+(?P<action>.*)$", re.DOTALL)
 #: ALTER actions on a table's columns, which its Distributed front table must follow
 _COLUMN_ACTION = re.compile(r"^(ADD|MODIFY|DROP|RENAME|COMMENT) COLUMN\b")
@@ -162,11 +179,60 @@ class Alter:
         return self.action.startswith("RENAME COLUMN")
 
 
-def schema_objects() -> list[Table | View | MaterializedView | Alter]:
-    """Every table, view and ALTER of the migrations, in migration order."""
-    objects: list[Table | View | MaterializedView | Alter] = []
+@dataclass
+class Rebuild:
+    """Migration ``number`` re-keys ``table``: ``definition`` is its new form (named
+    ``table``), ``columns`` and ``select`` the copy's column list and SELECT list."""
+
+    table: str
+    number: str
+    definition: Table
+    columns: str = ""
+    select: str = ""
+    swapped: bool = False
+
+    @property
+    def new(self) -> str:
+        return f"{self.table}_v{self.number}"
+
+
+SchemaObject = Table | View | MaterializedView | Alter | Rebuild
+
+
+def _rebuild_step(objects: list[SchemaObject], migration: str, statement: str) -> bool:
+    """Take a rebuild's statement (see :class:`Rebuild`); False if it is none."""
+    if rebuilt := REBUILT.match(statement):
+        table = _TABLE.match(statement)
+        assert table is not None
+        objects.append(Rebuild(rebuilt["table"], rebuilt["number"], Table(
+            rebuilt["table"], table["columns"].strip("\n"), table["engine"],
+            (table["args"] or "").strip(), table["tail"].strip())))
+        return True
+    pending = objects[-1] if objects and isinstance(objects[-1], Rebuild) else None
+    copy, swap, drop = (_REBUILD_COPY.match(statement), _REBUILD_SWAP.match(statement),
+                        _REBUILD_DROP.match(statement))
+    if not (copy or swap or drop):
+        return False
+    if pending is None or (copy and (copy["new"] != pending.table
+                                     or copy["source"] != pending.table)) \
+            or (swap and (swap["new"], swap["table"]) != (pending.new, pending.table)) \
+            or (drop and (drop["new"] != pending.new or not pending.swapped)):
+        raise ValueError(f"{migration}: a rebuild is CREATE TABLE IF NOT EXISTS t_vNNN, "
+                         "INSERT INTO t_vNNN (...) SELECT ... FROM t, EXCHANGE TABLES "
+                         f"t_vNNN AND t, DROP TABLE IF EXISTS t_vNNN: {statement[:80]!r}")
+    if copy:
+        pending.columns, pending.select = copy["columns"], copy["select"].strip()
+    pending.swapped = pending.swapped or bool(swap)
+    return True
+
+
+def schema_objects() -> list[SchemaObject]:
+    """Every table, view, ALTER and rebuild of the migrations, in migration order."""
+    objects: list[SchemaObject] = []
     for migration, sql in migrations():
         for statement in statements(sql):
+            if _rebuild_step(objects, migration, statement):
+                continue
             if table := _TABLE.match(statement):
                 objects.append(Table(table["name"], table["columns"].strip("\n"),
                                      table["engine"], (table["args"] or "").strip(),
@@ -194,10 +260,10 @@ def _check_identifier(kind: str, value: str) -> str:
     return value
 
 
-def _replicated(table: Table) -> str:
+def _replicated(table: Table, path: str = REPLICA_PATH) -> str:
     if not table.engine.endswith("MergeTree") or table.engine.startswith("Replicated"):
         raise ValueError(f"table {table.name}: cannot replicate engine {table.engine}")
-    args = REPLICA_PATH + (f", {table.args}" if table.args else "")
+    args = path + (f", {table.args}" if table.args else "")
     return f"Replicated{table.engine}({args})"
 
 
@@ -211,7 +277,7 @@ def _sections(cluster: str, database: str, single_node: bool
     _check_identifier("database", database)
     on_cluster = "" if single_node else f" ON CLUSTER {cluster}"
     objects = schema_objects()
-    known = {obj.name for obj in objects if not isinstance(obj, Alter)}
+    known = {obj.name for obj in objects if not isinstance(obj, Alter | Rebuild)}
     tables = {obj.name: obj for obj in objects if isinstance(obj, Table)}
 
     def qualify(query: str) -> str:
@@ -229,8 +295,36 @@ def _sections(cluster: str, database: str, single_node: bool
         return (f"CREATE TABLE IF NOT EXISTS {database}.{table.name}{on_cluster} "
                 f"AS {database}.{local}\nENGINE = {engine}")
 
+    def rebuild(step: Rebuild) -> list[str]:
+        local = f"{step.table}{LOCAL_SUFFIX}"
+        new_local = f"{step.new}{LOCAL_SUFFIX}"
+        definition = step.definition
+        engine = _plain(definition) if single_node else _replicated(
+            definition, REBUILD_REPLICA_PATH)
+        tables[step.table] = definition
+        new_front = Table(step.new, definition.columns, definition.engine, definition.args,
+                          definition.tail)
+        # one node has no Distributed table to insert through: the copy goes to _local
+        into = new_local if single_node else step.new
+        sync = "" if single_node else "\nSETTINGS insert_distributed_sync = 1"
+        return [
+            f"CREATE TABLE IF NOT EXISTS {database}.{new_local}{on_cluster}\n"
+            f"(\n{definition.columns}\n)\nENGINE = {engine}\n{definition.tail}",
+            front(new_front),
+            f"INSERT INTO {database}.{into} ({step.columns})\nSELECT {step.select} "
+            f"FROM {database}.{step.table}{sync}",
+            f"EXCHANGE TABLES {database}.{new_local} AND {database}.{local}{on_cluster}",
+            f"DROP TABLE IF EXISTS {database}.{step.table}{on_cluster}",
+            front(definition).replace("CREATE TABLE IF NOT EXISTS ", "CREATE TABLE ", 1),
+            f"DROP TABLE IF EXISTS {database}.{step.new}{on_cluster}",
+            f"DROP TABLE IF EXISTS {database}.{new_local}{on_cluster}",
+        ]
+
     schema = [f"CREATE DATABASE IF NOT EXISTS {database}{on_cluster}"]
     for obj in objects:
+        if isinstance(obj, Rebuild):
+            schema.extend(rebuild(obj))
+            continue
         if isinstance(obj, Alter):
             if tables[obj.table].engine in _STORELESS:
                 targets = [obj.table]
@@ -299,7 +393,8 @@ def render_sql(cluster: str, database: str = "loopwatch") -> str:
         "-- from loopwatch/store/migrations/*.sql; do not edit, re-render after a migration.",
         "-- Tables are <name>_local (Replicated*MergeTree) + <name> (Distributed); run it",
         "-- once against any node: every statement is ON CLUSTER and idempotent, except",
-        "-- RENAME COLUMN, which a cluster that has applied it must skip (docs/operations.md).",
+        "-- RENAME COLUMN and a table rebuild (INSERT ... EXCHANGE TABLES), which a cluster",
+        "-- that has applied them must skip (docs/operations.md).",
         "",
     ]
     for title, section in _sections(cluster, database, single_node=False):

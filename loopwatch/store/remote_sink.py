@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from loopwatch.store.reader import ServiceReader
-from processors.sink import RowBatch, encode_rows
+from processors.sink import RowBatch, encode_rows, write_order
 
 INSERT_PATH = "/admin/insert-batch"
 
@@ -24,7 +24,8 @@ INSERT_PATH = "/admin/insert-batch"
 def encode_batch(batch: RowBatch) -> bytes:
     """The request body for a whole batch (see the module docstring)."""
     parts: list[bytes] = []
-    for table, rows in batch.tables.items():
+    for table in write_order(batch):
+        rows = batch.tables[table]
         if rows:
             data = encode_rows(rows)
             parts += [f"{table} {len(data)}\n".encode(), data]

@@ -14,7 +14,13 @@ Rules for whoever changes the schema:
 - ``ALTER TABLE`` is fine: :mod:`loopwatch.store.cluster` renders it ``ON CLUSTER``.
   ``RENAME COLUMN IF EXISTS a TO b`` is the one ALTER ClickHouse cannot repeat once
   ``a`` is back (as the ALIAS a renamed column keeps for a release): the runner skips a
-  rename whose new name the table has, as done (:func:`rename_done`).
+  rename whose new name the table has, as done (:func:`rename_done`);
+- a sorting key cannot lose a column in place: such a table ``t`` is rebuilt by the
+  migration ``NNN`` as ``CREATE TABLE IF NOT EXISTS t_vNNN`` (the new definition),
+  ``INSERT INTO t_vNNN (...) SELECT ... FROM t``, ``EXCHANGE TABLES t_vNNN AND t``,
+  ``DROP TABLE IF EXISTS t_vNNN``. The runner skips the copy and the exchange once
+  ``t`` has the new sorting key (:func:`rebuild_done`), so the four can run again
+  after a crash between any two of them; :mod:`loopwatch.store.cluster` renders them.
 
 A store created before versioning (by a build that re-ran :data:`BASELINE` at every
 start and kept no record) is recognised by its tables and adopted: the baseline is run
@@ -116,9 +122,44 @@ def rename_done(client: Client, statement: str) -> bool:
         parameters={"t": rename["table"], "c": rename["new"]}).result_rows[0][0])
 
 
-def _run(client: Client, sql: str) -> None:
+#: the new table of a rebuild, and its sorting key
+REBUILT = re.compile(r"^CREATE TABLE IF NOT EXISTS (?P<table>\w+)_v(?P<number>\d{3})\s*\("
+                     r".*\bORDER BY\s+\((?P<key>[^)]*)\)", re.DOTALL)
+_REBUILD_STEP = re.compile(r"^(?:INSERT INTO (?P<copy>\w+)_v\d{3}\b|"
+                           r"EXCHANGE TABLES (?P<swap>\w+)_v\d{3} AND )")
+
+
+def rebuild_keys(sql: str) -> dict[str, str]:
+    """Table -> the sorting key a migration's rebuild gives it (``ts, event_id``).
+
+    >>> rebuild_keys("CREATE TABLE IF NOT EXISTS t_v010 (a UInt8) ENGINE = M ORDER BY (a, b)")
+    {'t': 'a, b'}
+    """
+    found = {}
     for statement in statements(sql):
-        if not rename_done(client, statement):
+        if rebuilt := REBUILT.match(statement):
+            found[rebuilt["table"]] = ", ".join(
+                part.strip() for part in rebuilt["key"].split(","))
+    return found
+
+
+def rebuild_done(client: Client, statement: str, keys: dict[str, str]) -> bool:
+    """Whether ``statement`` is the copy or the exchange of a rebuild whose table
+    already has its new sorting key (``keys``: :func:`rebuild_keys` of the migration)."""
+    step = _REBUILD_STEP.match(statement)
+    if step is None:
+        return False
+    table = step["copy"] or step["swap"]
+    current = client.query(
+        "SELECT sorting_key FROM system.tables WHERE database = currentDatabase() AND "
+        "name = {t:String}", parameters={"t": table}).result_rows
+    return bool(current) and current[0][0] == keys.get(table)
+
+
+def _run(client: Client, sql: str) -> None:
+    keys = rebuild_keys(sql)
+    for statement in statements(sql):
+        if not rename_done(client, statement) and not rebuild_done(client, statement, keys):
             client.command(statement)
 
 

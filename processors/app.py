@@ -1,4 +1,4 @@
-"""The faust-streaming binding of :class:`processors.pipeline.Pipeline`.
+"""The faust-streaming binding of :class:`loopwatch.processors.pipeline.Pipeline`.
 
 One agent consumes the events topic in batches (``take_events``). For each batch:
 decode and fold into run state (the ``runs`` table, changelogged), write the rows to
@@ -29,14 +29,14 @@ from typing import Any
 import faust
 import orjson
 
-from loopwatch.config import Settings
-from processors.capture_app import register_captures
-from processors.deadletter import DeadLetterRecord
-from processors.kafka_writes import KafkaWrites, record_limit
-from processors.pipeline import Pipeline, RawMessage, Work
-from processors.rows import EVENTS_IN_TABLE
-from processors.runs import RunState
-from processors.sink import RetriesStopped, RetryingSink, RowBatch, Sink
+from loopwatch.core.config import Settings
+from loopwatch.processors.capture_app import register_captures
+from loopwatch.processors.deadletter import DeadLetterRecord
+from loopwatch.processors.kafka_writes import KafkaWrites, record_limit
+from loopwatch.processors.pipeline import Pipeline, RawMessage, Work
+from loopwatch.processors.rows import EVENTS_IN_TABLE
+from loopwatch.processors.runs import RunState
+from loopwatch.store.sink import RetriesStopped, RetryingSink, RowBatch, Sink
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ import uuid
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ingest.events import EventBase, Label, LlmCall, RunEnd, RunStart, Step, ToolCall
+from loopwatch.ingest.events import EventBase, Label, LlmCall, RunEnd, RunStart, Step, ToolCall
 
 SEEN_EVENT_IDS = 4096
 #: up to this many seen ids are kept packed in one ``bytes``
@@ -306,7 +306,7 @@ def apply_event(
 ) -> bool:
     """Fold one event into the run; False when it was already applied (a redelivery).
 
-    >>> from ingest.events import ToolCall
+    >>> from loopwatch.ingest.events import ToolCall
     >>> s = RunState("r", 0)
     >>> calls = [ToolCall(run_id="r", agent="a", tool="grep", args_hash="h") for _ in range(3)]
     >>> [apply_event(s, c) for c in calls], s.loop_detected, apply_event(s, calls[0])

@@ -18,11 +18,11 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
-from ingest.otlp.mapping import map_spans
-from ingest.otlp.server import OtlpReceiver
-from ingest.otlp.settings import OtlpSettings
-from loopwatch.config import Settings
-from loopwatch.embedded.broker import free_port
+from loopwatch.core.config import Settings
+from loopwatch.core.embedded.broker import free_port
+from loopwatch.ingest.otlp.mapping import map_spans
+from loopwatch.ingest.otlp.server import OtlpReceiver
+from loopwatch.ingest.otlp.settings import OtlpSettings
 from tests.conftest import PIPELINE_ENV, wait_for
 from tests.test_otlp import AGENT_SPAN, CHAT2_SPAN, CHAT_SPAN, span
 

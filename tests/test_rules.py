@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 
-from detectors.engine import DetectorEngine, Policy
-from detectors.rules import Finding, load_rules, with_overrides
-from ingest.events import EventBase, Label, LlmCall, RunEnd, RunStart, Step, ToolCall
-from ingest.wire import encode_envelope
-from loopwatch.reprocess import MemoryRunStore
+from loopwatch.detectors.engine import DetectorEngine, Policy
+from loopwatch.detectors.rules import Finding, load_rules, with_overrides
+from loopwatch.ingest.events import EventBase, Label, LlmCall, RunEnd, RunStart, Step, ToolCall
+from loopwatch.ingest.wire import encode_envelope
+from loopwatch.processors.jobs.reprocess import MemoryRunStore
+from loopwatch.processors.pipeline import Pipeline, RawMessage
 from loopwatch.store.clickhouse import run_query
-from processors.pipeline import Pipeline, RawMessage
-from processors.sink import ClickHouseSink, RowBatch
+from loopwatch.store.sink import ClickHouseSink, RowBatch
 
 NOW = datetime(2026, 11, 20, 11, 0, tzinfo=UTC)
 

@@ -1,6 +1,6 @@
 """Spans to contract events: pure, deterministic, one batch at a time.
 
-What a span becomes (see :mod:`ingest.otlp.conventions` for the names read):
+What a span becomes (see :mod:`loopwatch.ingest.otlp.conventions` for the names read):
 
 - a model call (``chat``/``generate_content``/``text_completion``, OpenInference
   ``LLM``) -> ``llm.call`` with its tokens. Tokens are counted **only** here: agent,
@@ -61,8 +61,8 @@ from typing import Any, TypeVar
 import orjson
 from pydantic import ValidationError
 
-from ingest.capture import CaptureMessage, part_hash
-from ingest.events import (
+from loopwatch.ingest.capture import CaptureMessage, part_hash
+from loopwatch.ingest.events import (
     EventBase,
     LlmCall,
     RunEnd,
@@ -71,8 +71,8 @@ from ingest.events import (
     canonical_args_hash,
     llm_usage_from_exclusive,
 )
-from ingest.otlp import conventions as c
-from ingest.otlp.decode import STATUS_ERROR, BadSpan, Span
+from loopwatch.ingest.otlp import conventions as c
+from loopwatch.ingest.otlp.decode import STATUS_ERROR, BadSpan, Span
 
 log = logging.getLogger(__name__)
 EVENT_NAMESPACE = uuid.UUID("6f0a6f1e-3c55-4c1b-9d7e-0c7a1d6b2f10")

@@ -1,11 +1,16 @@
 """Rewrite a tree's module and file references from the old layout to the one-namespace one.
 
 Issue #25 put every package under ``loopwatch.*`` (the folders stay: ``loopwatch.ingest``
-is ``ingest/``) and moved a few modules. Branches written against the old layout are
-rewritten mechanically at merge::
+is ``ingest/``) and moved a few modules (``git mv``). A branch written against the old
+layout is merged FIRST, as it is, then the merged tree is rewritten::
 
+    git merge BRANCH          # renames carry its edits to the moved files; a file it added
+                              # in a moved folder: git says where (e.g. store/migrations/)
     python scripts/rewrite_imports.py [ROOT] [--dry-run]   # prints every line it changes
-    ruff check --fix --select I ROOT               # then re-sort the rewritten imports
+    ruff check --fix --select I .                          # re-sort the rewritten imports
+
+(Rewriting the branch before the merge instead makes every rewritten line a change on
+both sides: a conflict wherever this branch then wrapped or re-sorted one.)
 
 Deterministic and idempotent: a reference already in the new form never matches again
 (every match must not follow ``.``/a word character), so a second run changes nothing.

@@ -1,8 +1,8 @@
 """Every docstring example in the installed ``loopwatch.*`` modules, run as a test.
 
-Not ``pytest --doctest-modules`` over the folders: that imports ``ingest/sdk.py`` as a
-second, top-level module ``ingest.sdk`` beside ``loopwatch.ingest.sdk`` (two copies of every
-class). Here the modules are the ones ``import loopwatch.*`` loads, found by walking the
+Not ``pytest --doctest-modules`` over the folders: that imports ``ingest/sdk.py`` a second
+time, as a top-level module named after its folder, beside ``loopwatch.ingest.sdk`` (two
+copies of every class). Here the modules are the ones ``import loopwatch.*`` loads, found by walking the
 package, so a module added to any stage's folder has its examples run without listing it.
 """
 

@@ -160,7 +160,8 @@ def query(
 
 @app.command()
 def investigate(
-    name: Annotated[str, typer.Argument(help="one of the investigation queries (docs/investigations.md)")],
+    name: Annotated[str, typer.Argument(
+        help="one of the investigation queries (docs/investigations.md)")],
     param: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, e.g. run_id=...")] = None,
     agent: Annotated[str, typer.Option(help="only this agent ('' = all)")] = "",
     data_dir: DataDir = None,

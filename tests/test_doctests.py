@@ -2,8 +2,9 @@
 
 Not ``pytest --doctest-modules`` over the folders: that imports ``ingest/sdk.py`` a second
 time, as a top-level module named after its folder, beside ``loopwatch.ingest.sdk`` (two
-copies of every class). Here the modules are the ones ``import loopwatch.*`` loads, found by walking the
-package, so a module added to any stage's folder has its examples run without listing it.
+copies of every class). Here the modules are the ones ``import loopwatch.*`` loads, found
+by walking the package, so a module added to any stage's folder has its examples run
+without listing it.
 """
 
 from __future__ import annotations

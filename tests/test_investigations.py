@@ -1,4 +1,5 @@
-"""The investigation queries (docs/investigations.md), run on the scripted fleet with exact results."""
+"""The investigation queries (docs/investigations.md), run on the scripted fleet with exact
+results."""
 
 from __future__ import annotations
 

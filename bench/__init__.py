@@ -1,1 +1,1 @@
-"""Benchmarks run by hand (not part of the test suite): ``python -m bench.nab_score``."""
+"""Benchmarks run by hand (not part of the test suite): ``python -m loopwatch.bench.nab_score``."""

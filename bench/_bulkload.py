@@ -1,10 +1,10 @@
-"""Bulk-load synthetic rows straight into a chdb store (run as a child by ``bench.pipeline``).
+"""Bulk-load synthetic rows straight into a chdb store (a child of ``loopwatch.bench.pipeline``).
 
-    python -m bench._bulkload DATA_DIR EVENTS SEED
+    python -m loopwatch.bench._bulkload DATA_DIR EVENTS SEED
 
 chdb lets one process own a data path at a time, so this runs in its own process
 *before* ``loopwatch up`` opens the store: it migrates, folds generated events through
-an in-memory :class:`processors.pipeline.Pipeline` and inserts every row it implies.
+an in-memory :class:`loopwatch.processors.pipeline.Pipeline` and inserts every row it implies.
 It prints ``{"events": stored, "seconds": s}`` as JSON on stdout.
 """
 
@@ -17,12 +17,12 @@ from pathlib import Path
 
 import orjson
 
-from ingest.wire import encode_envelope
-from loopwatch.config import load_settings
-from loopwatch.reprocess import MemoryRunStore
+from loopwatch.core.config import load_settings
+from loopwatch.ingest.wire import encode_envelope
+from loopwatch.processors.jobs.reprocess import MemoryRunStore
+from loopwatch.processors.pipeline import Pipeline, RawMessage
 from loopwatch.store.clickhouse import migrate
-from processors.pipeline import Pipeline, RawMessage
-from processors.sink import ClickHouseSink
+from loopwatch.store.sink import ClickHouseSink
 
 #: events per message, as the SDK groups them
 ENVELOPE_EVENTS = 200
@@ -30,7 +30,7 @@ ENVELOPE_EVENTS = 200
 
 def bulk_load(data_dir: Path, events: int, seed: int, chunk: int = 20_000) -> dict[str, float]:
     """Streams the fleet's events an hour at a time, so ten million never sit in memory."""
-    from bench.pipeline import event_hours
+    from loopwatch.bench.pipeline import event_hours
 
     started = time.monotonic()
     settings = load_settings(data_dir=data_dir)

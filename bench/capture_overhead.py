@@ -1,7 +1,7 @@
 """What capture costs the agent: caller-side time per ``llm_call`` and Kafka bytes.
 
-    python -m bench.capture_overhead              # ~20 s, prints a table
-    python -m bench.capture_overhead --steps 3000 --json
+    python -m loopwatch.bench.capture_overhead              # ~20 s, prints a table
+    python -m loopwatch.bench.capture_overhead --steps 3000 --json
 
 Capture must never block or slow the agent (issue 9), so this measures the only part
 the agent waits for: the ``llm_call`` itself, in the caller's thread. Every step sends a
@@ -58,7 +58,7 @@ def conversation(rng: random.Random, steps: int) -> list[tuple[list[dict[str, An
 
 
 def measure(bootstrap: str, folder: Path, mode: str, runs: int, seed: int) -> dict[str, Any]:
-    from ingest.sdk import Emitter
+    from loopwatch.ingest.sdk import Emitter
 
     rng = random.Random(seed)
     scripts = [conversation(rng, STEPS_PER_RUN) for _ in range(runs)]
@@ -96,9 +96,9 @@ def measure(bootstrap: str, folder: Path, mode: str, runs: int, seed: int) -> di
 
 
 def run(steps: int, seed: int = 7) -> dict[str, Any]:
-    from loopwatch.config import Settings
-    from loopwatch.embedded.broker import EmbeddedBroker
-    from loopwatch.topics import ensure_topics
+    from loopwatch.core.config import Settings
+    from loopwatch.core.embedded.broker import EmbeddedBroker
+    from loopwatch.core.topics import ensure_topics
 
     folder = Path(tempfile.mkdtemp(prefix="capture-bench-"))
     settings = Settings(data_dir=folder)

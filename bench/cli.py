@@ -1,4 +1,4 @@
-"""``loopwatch bench``: the end-to-end throughput benchmark (see :mod:`bench.pipeline`)."""
+"""``loopwatch bench``: the end-to-end throughput benchmark (:mod:`loopwatch.bench.pipeline`)."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def bench(
     json_output: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
     """Measure emitter, raw consumer, processors, storage, query and alert latency."""
-    from bench.pipeline import run_bench
+    from loopwatch.bench.pipeline import run_bench
 
     err = Console(stderr=True)
     with err.status("benchmark starting") as status, LiveLine(
@@ -111,7 +111,7 @@ def _fmt(value: Any, unit: str = "") -> str:
     return f"{value:,}{unit}"
 
 
-#: the rows of :func:`bench.pipeline.cpu_budget`'s figures
+#: the rows of :func:`loopwatch.bench.pipeline.cpu_budget`'s figures
 BUDGET_ROWS = (("CPU budget at 1/3 of raw", "budget_us"),
                ("  storing (sink thread, chdb)", "store_us"),
                ("  broker", "broker_us"),

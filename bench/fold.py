@@ -1,9 +1,9 @@
 """The processor's fold and inserts without Kafka or faust, in seconds instead of the
 full bench's minutes: what one event costs the pipeline itself.
 
-``python -m bench.fold [--events N] [--no-write] [--json]`` generates the bench's
+``python -m loopwatch.bench.fold [--events N] [--no-write] [--json]`` generates the bench's
 event mix, packs it into messages as the SDK's ``Emitter`` does, folds the messages in
-the processor's chunks (:func:`processors.app.chunks`) and, unless ``--no-write``,
+the processor's chunks (:func:`loopwatch.processors.app.chunks`) and, unless ``--no-write``,
 inserts each chunk's rows into a fresh chdb store in a temporary folder on the calling
 thread, as the processor's sink thread does. It prints the CPU per event of the fold,
 of the inserts' calling thread, of the whole process, and by thread.
@@ -26,27 +26,27 @@ from typing import Any
 
 import orjson
 
-from bench.pipeline import cpu_by_kind, generate_events, thread_cpu, threads_note
-from ingest.events import EventBase
-from ingest.sdk import MAX_BATCH, MAX_MESSAGE_BYTES, partition_for
-from ingest.wire import envelope_chunks, message_value
-from loopwatch.config import Settings
-from loopwatch.reprocess import MemoryRunStore
+from loopwatch.bench.pipeline import cpu_by_kind, generate_events, thread_cpu, threads_note
+from loopwatch.core.config import Settings
+from loopwatch.ingest.events import EventBase
+from loopwatch.ingest.sdk import MAX_BATCH, MAX_MESSAGE_BYTES, partition_for
+from loopwatch.ingest.wire import envelope_chunks, message_value
+from loopwatch.processors.app import chunks, tune_gc
+from loopwatch.processors.jobs.reprocess import MemoryRunStore
+from loopwatch.processors.pipeline import Pipeline, RawMessage
+from loopwatch.processors.runs import RunState
 from loopwatch.store.clickhouse import migrate
-from processors.app import chunks, tune_gc
-from processors.pipeline import Pipeline, RawMessage
-from processors.runs import RunState
-from processors.sink import ClickHouseSink
+from loopwatch.store.sink import ClickHouseSink
 
 
 def envelopes(events: list[EventBase], partitions: int, topic: str) -> list[RawMessage]:
     """The events as the processor would consume them: each encoded as the SDK's
     ``Emitter.emit`` does, grouped per partition (of ``run_id``, as the SDK chooses it)
     into the messages the ``Emitter`` sends with its defaults
-    (:func:`ingest.wire.envelope_chunks`, :func:`ingest.wire.message_value`), in emit
-    order, the partitions taken in turn.
+    (:func:`loopwatch.ingest.wire.envelope_chunks`,
+    :func:`loopwatch.ingest.wire.message_value`), in emit order, the partitions taken in turn.
 
-    >>> from ingest.events import Step
+    >>> from loopwatch.ingest.events import Step
     >>> steps = [Step(run_id=f"r{n}", agent="a", step=n) for n in range(1200)]
     >>> [(m.partition, m.offset, len(orjson.loads(m.value)["events"]))
     ...  for m in envelopes(steps, 2, "t")]
@@ -110,8 +110,8 @@ def measure_fold(events: int, write: bool, data_dir: Path, seed: int = 7) -> dic
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.fold", description=__doc__.split(
-        "\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m loopwatch.bench.fold",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--events", type=int, default=200_000)
     parser.add_argument("--no-write", action="store_true", help="fold only; no chdb store")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -1,9 +1,9 @@
 """Score the registered anomaly detectors on the NAB subset, the way NAB scores them.
 
-    python -m bench.nab_score                      # every registered detector, a table
-    python -m bench.nab_score --detector generic   # one detector
-    python -m bench.nab_score --json               # {detector: {profile: score}}
-    python -m bench.nab_score --category artificial --per-file
+    python -m loopwatch.bench.nab_score                      # every registered detector, a table
+    python -m loopwatch.bench.nab_score --detector generic   # one detector
+    python -m loopwatch.bench.nab_score --json               # {detector: {profile: score}}
+    python -m loopwatch.bench.nab_score --category artificial --per-file
 
 The method is NAB's (numenta/NAB, ``nab/sweeper.py`` and ``nab/runner.py``):
 
@@ -43,9 +43,9 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from detectors.anomaly.base import AnomalyDetector
-from detectors.anomaly.generic import CANDIDATES, GenericDetector
-from detectors.anomaly.registry import DEFAULT_DETECTOR, DETECTORS
+from loopwatch.detectors.anomaly.base import AnomalyDetector
+from loopwatch.detectors.anomaly.generic import CANDIDATES, GenericDetector
+from loopwatch.detectors.anomaly.registry import DEFAULT_DETECTOR, DETECTORS
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -400,7 +400,8 @@ def leave_one_out(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.nab_score", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m loopwatch.bench.nab_score",
+                                     description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--detector", choices=sorted(DETECTORS), help="score only this one")
     parser.add_argument("--json", action="store_true", help="print {detector: {profile: score}}")

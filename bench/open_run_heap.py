@@ -1,8 +1,8 @@
 """Processor memory per open run: the Python heap an open run keeps.
 
 Folds batches of ``run.start`` events (no end) through the real
-:class:`processors.pipeline.Pipeline` into the real
-:class:`processors.app.TableRunStore`, over a stand-in for the faust table that has
+:class:`loopwatch.processors.pipeline.Pipeline` into the real
+:class:`loopwatch.processors.app.TableRunStore`, over a stand-in for the faust table that has
 the same layout (``data``: bytes key -> state); the store encodes each changelog value
 and the changes are dropped instead of sent, after the batch and after the sweep. With
 tracemalloc it measures what two batches left allocated once their transient objects
@@ -11,9 +11,9 @@ them, divided by the runs.
 Counting from an empty pipeline matters: measured over the second batch alone, the
 figure for the same build was 694 or 1128 B depending on whether a dict or set resize
 fell into that batch (whether the batches straddled a deadline bucket).
-``python -m bench.open_run_heap [RUNS]``.
+``python -m loopwatch.bench.open_run_heap [RUNS]``.
 
-Why not process RSS alone (``bench.pipeline`` reports it beside this): RSS moves in
+Why not process RSS alone (``loopwatch.bench.pipeline`` reports it beside this): RSS moves in
 whole allocator pools. A worker's first batch of 80k runs took ~1 GB of transient
 objects (rows, changelog messages) whose freed pools later batches reuse, so per-batch
 growth read -2 to +12 KB per run on the same build.
@@ -32,11 +32,11 @@ from typing import Any
 import orjson
 from faust.types import TP
 
-from ingest.events import EventBase, RunStart
-from ingest.wire import encode_envelope
-from loopwatch.config import Settings
-from processors.app import KafkaWrites, TableRunStore
-from processors.pipeline import Pipeline, RawMessage
+from loopwatch.core.config import Settings
+from loopwatch.ingest.events import EventBase, RunStart
+from loopwatch.ingest.wire import encode_envelope
+from loopwatch.processors.app import KafkaWrites, TableRunStore
+from loopwatch.processors.pipeline import Pipeline, RawMessage
 
 ENVELOPE_EVENTS = 200
 
@@ -61,7 +61,7 @@ class _OnePartitionApp:
 
 def open_run_starts(runs: int) -> list[EventBase]:
     """``run.start`` events of ``runs`` new runs that never end (also what
-    :func:`bench.pipeline.open_run_memory` sends through the broker)."""
+    :func:`loopwatch.bench.pipeline.open_run_memory` sends through the broker)."""
     now = datetime.now(UTC)
     return [RunStart(run_id=uuid.uuid4().hex, ts=now, agent="bench-open", task_type="hold",
                      model="claude-sonnet-4", prompt_version="v1", deployment="d1",

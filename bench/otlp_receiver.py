@@ -1,8 +1,8 @@
 """Throughput of the OTLP receivers (HTTP and gRPC), with the broker-only baseline in the
 same run.
 
-    python -m bench.otlp_receiver                 # ~20 s, prints a table
-    python -m bench.otlp_receiver --spans 200000 --json
+    python -m loopwatch.bench.otlp_receiver                 # ~20 s, prints a table
+    python -m loopwatch.bench.otlp_receiver --spans 200000 --json
 
 What is measured, against one embedded Tansu broker on loopback:
 
@@ -149,7 +149,7 @@ def _grpc_client(address: str, bodies: list[bytes], connections: int,
     each on its own channel (its own HTTP/2 connection)."""
     import grpc
 
-    from ingest.otlp.grpc_server import EXPORT_METHOD
+    from loopwatch.ingest.otlp.grpc_server import EXPORT_METHOD
 
     codes: dict[str, int] = {}
     lock = threading.Lock()
@@ -190,14 +190,14 @@ def _timed(target: Any, args: tuple[Any, ...], results: Any) -> tuple[dict[str, 
 
 
 def run(total_spans: int, connections: int) -> dict[str, Any]:
-    from ingest.otlp.decode import decode_protobuf
-    from ingest.otlp.mapping import map_spans
-    from ingest.otlp.server import OtlpReceiver
-    from ingest.otlp.settings import OtlpSettings
-    from ingest.sdk import Emitter
-    from loopwatch.config import Settings
-    from loopwatch.embedded.broker import EmbeddedBroker, free_port
-    from loopwatch.topics import ensure_topics
+    from loopwatch.core.config import Settings
+    from loopwatch.core.embedded.broker import EmbeddedBroker, free_port
+    from loopwatch.core.topics import ensure_topics
+    from loopwatch.ingest.otlp.decode import decode_protobuf
+    from loopwatch.ingest.otlp.mapping import map_spans
+    from loopwatch.ingest.otlp.server import OtlpReceiver
+    from loopwatch.ingest.otlp.settings import OtlpSettings
+    from loopwatch.ingest.sdk import Emitter
 
     bodies = build_requests(total_spans)
     spans = len(bodies) * SPANS_PER_REQUEST

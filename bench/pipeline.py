@@ -36,7 +36,7 @@ to the baseline measured in the same run; the machine is shared):
 * ``processor_peak_rss_mb``: VmHWM of the ``up`` child (it also hosts chdb, the store
   service and the detectors).
 * ``memory_per_open_run_bytes``: the Python heap an open run keeps in the processor
-  (:mod:`bench.open_run_heap`: tracemalloc over two batches of ``run.start`` events
+  (:mod:`loopwatch.bench.open_run_heap`: tracemalloc over two batches of ``run.start`` events
   folded from an empty pipeline by the real pipeline into the real ``TableRunStore``,
   containers included). Beside it, on stderr:
   VmRSS of a ``loopwatch worker`` (the processor alone: own consumer group, writing
@@ -81,15 +81,15 @@ from kafka import KafkaConsumer, KafkaProducer
 from kafka import TopicPartition as KafkaTopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 
-from bench.open_run_heap import heap_per_open_run, open_run_starts
-from ingest.events import EventBase, RunStart, Step
-from ingest.sdk import Emitter
-from loopwatch.config import load_settings
-from loopwatch.embedded.broker import EmbeddedBroker
+from loopwatch.bench.open_run_heap import heap_per_open_run, open_run_starts
+from loopwatch.core.config import load_settings
+from loopwatch.core.embedded.broker import EmbeddedBroker
+from loopwatch.core.processes import terminate
+from loopwatch.core.topics import LagProbe, ensure_topics
+from loopwatch.ingest.events import EventBase, RunStart, Step
+from loopwatch.ingest.sdk import Emitter
 from loopwatch.investigations import investigations
-from loopwatch.processes import terminate
 from loopwatch.scenarios.traffic import Agent, Behaviour, Traffic
-from loopwatch.topics import LagProbe, ensure_topics
 from loopwatch.upprocess import UpProcess
 
 Progress = Callable[[str], None]
@@ -587,7 +587,7 @@ def stored_bytes_breakdown(up: UpProcess, events: int, top: int = 8) -> str:
 def bulk_load(data_dir: Path, events: int, seed: int) -> int:
     """Fill the store in a child process (chdb: one process per path) before ``up``."""
     result = subprocess.run(
-        [sys.executable, "-m", "bench._bulkload", str(data_dir), str(events), str(seed)],
+        [sys.executable, "-m", "loopwatch.bench._bulkload", str(data_dir), str(events), str(seed)],
         env={**os.environ, "LOOPWATCH_DATA_DIR": str(data_dir),
              # ``bench`` is not in the installed packages: run it from this checkout
              "PYTHONPATH": os.pathsep.join(filter(None, [

@@ -33,7 +33,7 @@ def _web_url(web_url: str | None, data_dir: Path | None) -> str:
     """The option, else the configured link base URL; a bad one is a usage error."""
     from rich.markup import escape
 
-    from dashboards.grafana import web_view_url
+    from loopwatch.dashboards.grafana import web_view_url
 
     try:
         return web_view_url(web_url or settings_from(data_dir).link_base_url)
@@ -49,7 +49,7 @@ def export_command(
     data_dir: DataDir = None,
 ) -> None:
     """Write the dashboards (one JSON model per tier) and Grafana provisioning files."""
-    from dashboards.provisioning import export
+    from loopwatch.dashboards.provisioning import export
 
     for path in export(folder, clickhouse_url, _web_url(web_url, data_dir)):
         console.print(f"wrote {path}")
@@ -67,7 +67,7 @@ def deploy_command(
     data_dir: DataDir = None,
 ) -> None:
     """Create or update the ClickHouse data source and the dashboards in Grafana."""
-    from dashboards.deploy import DeployError, deploy
+    from loopwatch.dashboards.deploy import DeployError, deploy
 
     settings = settings_from(data_dir)
     try:
@@ -89,7 +89,7 @@ def serve_command(
     data_dir: DataDir = None,
 ) -> None:
     """Serve the dashboards as a local web page (live charts, alerts, run drill-down)."""
-    from dashboards.web.server import serve_forever
+    from loopwatch.dashboards.web.server import serve_forever
     from loopwatch.store.reader import QueryError, open_reader
 
     settings = settings_from(data_dir)

@@ -17,9 +17,9 @@ import niquests
 from grafana_client import GrafanaApi
 from grafana_client.client import GrafanaClientError, GrafanaException, GrafanaUnauthorizedError
 
-from dashboards.grafana import DATASOURCE_UID, PLUGIN_ID, dashboard_model
-from dashboards.panels import TIERS
-from dashboards.provisioning import FOLDER, datasource_settings
+from loopwatch.dashboards.grafana import DATASOURCE_UID, PLUGIN_ID, dashboard_model
+from loopwatch.dashboards.panels import TIERS
+from loopwatch.dashboards.provisioning import FOLDER, datasource_settings
 
 MESSAGE: Final = "loopwatch dashboards deploy"
 

@@ -33,8 +33,8 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models import dashboard as models
 
-from dashboards.model import Panel, Threshold, TierId
-from dashboards.panels import ANNOTATION, TIERS_BY_ID, VARIABLES, panels_of, title_of
+from loopwatch.dashboards.model import Panel, Threshold, TierId
+from loopwatch.dashboards.panels import ANNOTATION, TIERS_BY_ID, VARIABLES, panels_of, title_of
 
 PLUGIN_ID: Final = "grafana-clickhouse-datasource"
 DATASOURCE_UID: Final = "loopwatch-clickhouse"

@@ -171,7 +171,7 @@ def bind_variables(sql: str, selected: Mapping[str, Sequence[str]]) -> Expanded:
     >>> bind_variables("agent = '$agent'", {"agent": ["a"]})
     Traceback (most recent call last):
     ...
-    dashboards.macros.MacroError: variable $agent must be written ${agent:sqlstring}
+    loopwatch.dashboards.macros.MacroError: variable $agent must be written ${agent:sqlstring}
     """
     parameters: dict[str, str] = {}
 

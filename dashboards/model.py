@@ -1,6 +1,6 @@
 """The shape of a panel definition, shared by the Grafana generator and the web view.
 
-Kept apart from the panel table itself (:mod:`dashboards.panels`) so the table reads as
+Kept apart from the panel table itself (:mod:`loopwatch.dashboards.panels`) so the table reads as
 data: every field here is something both renderers need, so nothing about a panel is
 said twice.
 """

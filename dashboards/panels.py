@@ -8,7 +8,7 @@ The SQL is the Grafana ClickHouse plugin's dialect: ``$__timeFilter(col)``,
 ``$__timeInterval(col)``, ``$__interval_s``, ``$__fromTime``/``$__toTime`` and
 ``$__conditionalAll(cond, $var)`` around every template-variable filter, with values
 only ever written ``${name:sqlstring}`` (quoted and escaped by Grafana; bound as query
-parameters by :mod:`dashboards.macros` in the web view). Base tables are read with
+parameters by :mod:`loopwatch.dashboards.macros` in the web view). Base tables are read with
 FINAL (ReplacingMergeTree); the per-minute views already are.
 
 >>> len(PANELS), sorted({p.tier for p in PANELS})
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from dashboards.model import Annotation, Panel, Threshold, Tier, TierId, Variable
+from loopwatch.dashboards.model import Annotation, Panel, Threshold, Tier, TierId, Variable
 
 SILENT: Final = "('budget_exhausted', 'gave_up', 'looped', 'wrong')"
 

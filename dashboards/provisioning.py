@@ -23,14 +23,14 @@ from pathlib import Path
 from typing import Any, Final
 from urllib.parse import urlparse
 
-from dashboards.grafana import (
+from loopwatch.dashboards.grafana import (
     DATASOURCE_NAME,
     DATASOURCE_UID,
     PLUGIN_ID,
     dashboard_model,
     render,
 )
-from dashboards.panels import TIERS
+from loopwatch.dashboards.panels import TIERS
 
 DASHBOARDS_PATH: Final = "/var/lib/grafana/dashboards/loopwatch"
 FOLDER: Final = "loopwatch"
@@ -118,7 +118,7 @@ def dashboards_provider_file() -> str:
 def exported_files(clickhouse_url: str | None = None,
                    web_url: str | None = None) -> dict[str, str]:
     """Every exported file, by path relative to the export folder; ``web_url`` is
-    where the dashboards' run links open (see :func:`dashboards.grafana.web_view_url`)."""
+    where the dashboards' run links open (see :func:`loopwatch.dashboards.grafana.web_view_url`)."""
     files = {f"dashboards/{tier.id}.json": render(dashboard_model(tier.id, web_url))
              for tier in TIERS}
     files["provisioning/datasources/loopwatch.yaml"] = datasource_file(clickhouse_url)

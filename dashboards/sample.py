@@ -1,7 +1,7 @@
 """A small scripted fleet, written through the real pipeline, so every panel has data.
 
 The tests run each panel's SQL on it and the browser test takes its screenshot of it;
-``python -m dashboards.sample DATA_DIR`` fills a throwaway store for a look at the page
+``python -m loopwatch.dashboards.sample DATA_DIR`` fills a throwaway store for a look at the page
 (``loopwatch serve --data-dir DATA_DIR``). Times are relative to ``now`` so that the
 real-time tier (last hour) and the trends tier (last days) both show something, with
 the incidents an on-call engineer should spot: a tool whose timeout is too low, an
@@ -21,12 +21,21 @@ from typing import Any
 
 from clickhouse_connect.driver.client import Client
 
-from ingest.events import Annotation, EventBase, Label, LlmCall, RunEnd, RunStart, Step, ToolCall
-from ingest.wire import encode_envelope
-from loopwatch.config import Settings
-from loopwatch.reprocess import MemoryRunStore
-from processors.pipeline import Pipeline, RawMessage
-from processors.sink import ClickHouseSink, RowBatch
+from loopwatch.core.config import Settings
+from loopwatch.ingest.events import (
+    Annotation,
+    EventBase,
+    Label,
+    LlmCall,
+    RunEnd,
+    RunStart,
+    Step,
+    ToolCall,
+)
+from loopwatch.ingest.wire import encode_envelope
+from loopwatch.processors.jobs.reprocess import MemoryRunStore
+from loopwatch.processors.pipeline import Pipeline, RawMessage
+from loopwatch.store.sink import ClickHouseSink, RowBatch
 
 MARKER_AGENT = "support-bot"
 
@@ -275,11 +284,12 @@ def ensure_seeded(client: Client, settings: Settings) -> str:
 
 
 def main() -> None:
-    """``python -m dashboards.sample DATA_DIR``: a store to point ``loopwatch serve`` at."""
+    """``python -m loopwatch.dashboards.sample DATA_DIR``: a store to point ``loopwatch serve``
+    at."""
     from loopwatch.store.clickhouse import migrate
 
     if len(sys.argv) != 2:
-        sys.stderr.write("usage: python -m dashboards.sample DATA_DIR\n")
+        sys.stderr.write("usage: python -m loopwatch.dashboards.sample DATA_DIR\n")
         raise SystemExit(2)
     settings = Settings(data_dir=Path(sys.argv[1]))
     run_id = seed(migrate(settings), settings)

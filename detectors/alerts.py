@@ -5,7 +5,7 @@ for the rule's for-duration (event time); it *resolves* when the condition is fa
 its rows are gone. A rule that lacks samples or history neither fires nor resolves.
 
 >>> from datetime import datetime, timedelta, UTC
->>> from detectors.rules import Finding, load_rules
+>>> from loopwatch.detectors.rules import Finding, load_rules
 >>> rule = load_rules()["stuck_run"]
 >>> book, t0 = AlertBook(), datetime(2026, 1, 1, tzinfo=UTC)
 >>> hit = Finding(rule, {"agent": "a", "task_type": "t", "run_id": "r"}, 25.0, "active", 1)
@@ -27,7 +27,7 @@ from urllib.parse import quote
 
 import orjson
 
-from detectors.rules import Finding, Rule
+from loopwatch.detectors.rules import Finding, Rule
 from loopwatch.store.clickhouse import read_time
 
 AlertState = Literal["pending", "firing", "resolved"]

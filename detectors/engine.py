@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from detectors.alerts import (
+from loopwatch.detectors.alerts import (
     REPLAY_EVIDENCE,
     Alert,
     AlertBook,
@@ -26,9 +26,16 @@ from detectors.alerts import (
     named_run_ids,
     replay_evidence,
 )
-from detectors.outbox import Outbox
-from detectors.rules import EXCLUDED_SLICES, Finding, Rule, SeriesState, evaluate, load_rules
-from ingest.events import TEST_TRAFFIC_SLICES
+from loopwatch.detectors.outbox import Outbox
+from loopwatch.detectors.rules import (
+    EXCLUDED_SLICES,
+    Finding,
+    Rule,
+    SeriesState,
+    evaluate,
+    load_rules,
+)
+from loopwatch.ingest.events import TEST_TRAFFIC_SLICES
 from loopwatch.store.clickhouse import QueryResult, read_time
 
 log = logging.getLogger(__name__)
@@ -263,7 +270,7 @@ def _evaluation_row(finding: Finding, wall_now: datetime, now: datetime) -> dict
 
 def _playbook_steps(name: str) -> list[tuple[str, str]]:
     """(title, sql) of the playbook's investigation steps that stored data answers."""
-    from detectors.playbooks import load_playbooks
+    from loopwatch.detectors.playbooks import load_playbooks
 
     playbook = load_playbooks().get(name)
     if playbook is None:

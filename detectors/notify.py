@@ -1,7 +1,7 @@
 """Where alerts go: Alertmanager's v2 API, or loopwatch's own webhook notifiers.
 
 Each notifier turns a batch of notifications into one HTTP request and raises on any
-non-2xx answer; retrying is the outbox's job (:mod:`detectors.outbox`), so a notifier
+non-2xx answer; retrying is the outbox's job (:mod:`loopwatch.detectors.outbox`), so a notifier
 that is down loses nothing. Webhook bodies are signed: ``X-Loopwatch-Signature:
 sha256=<hex>`` is HMAC-SHA256 over ``<X-Loopwatch-Timestamp>.<body>`` with the shared
 secret (see :func:`verify_signature`).
@@ -21,7 +21,7 @@ from typing import Any, Literal, Protocol
 
 import orjson
 
-from loopwatch.masking import mask_secrets, safe_url
+from loopwatch.core.masking import mask_secrets, safe_url
 
 Format = Literal["generic", "slack", "pagerduty"]
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import orjson
 
-from detectors.notify import DeliveryError, Notifier
-from ingest.privatefs import write_private
-from loopwatch.masking import mask_secrets
+from loopwatch.core.masking import mask_secrets
+from loopwatch.detectors.notify import DeliveryError, Notifier
+from loopwatch.ingest.privatefs import write_private
 
 log = logging.getLogger(__name__)
 

@@ -168,7 +168,7 @@ def _rule(raw: dict[str, Any]) -> Rule:
     if rule.op not in OPS:
         raise ValueError(f"rule {name}: op must be one of {sorted(OPS)}")
     if rule.kind == "anomaly":
-        from detectors.anomaly.registry import DETECTORS
+        from loopwatch.detectors.anomaly.registry import DETECTORS
 
         if rule.detector not in DETECTORS:
             raise ValueError(f"rule {name}: unknown detector {rule.detector!r}")
@@ -183,7 +183,7 @@ def _rule(raw: dict[str, Any]) -> Rule:
 def load_rules(text: str | None = None) -> dict[str, Rule]:
     """The shipped rules, or the rules in ``text`` (TOML)."""
     if text is None:
-        text = resources.files("detectors").joinpath("rules.toml").read_text()
+        text = resources.files("loopwatch.detectors").joinpath("rules.toml").read_text()
     rules = [_rule(raw) for raw in tomllib.loads(text)["rules"]]
     return {rule.name: rule for rule in rules}
 
@@ -268,7 +268,7 @@ def _evaluate_series(rule: Rule, rows: Iterable[Mapping[str, Any]],
     """An online detector over each label set's series (rows ``t``, ``value`` in time
     order): every new point is scored on what came before it, then learned. The finding
     is active when one of the last ``recent_points`` scored at least ``score_threshold``."""
-    from detectors.anomaly.registry import DETECTORS
+    from loopwatch.detectors.anomaly.registry import DETECTORS
 
     grouped: dict[tuple[str, ...], list[Mapping[str, Any]]] = {}
     for row in rows:

@@ -8,13 +8,13 @@ from typing import Any
 
 from clickhouse_connect.driver.client import Client
 
-from detectors.engine import DetectorEngine, Policy
-from detectors.notify import AlertmanagerNotifier, Notifier, WebhookNotifier
-from detectors.outbox import Outbox
-from detectors.rules import load_rules, with_overrides
-from loopwatch.config import Settings
+from loopwatch.core.config import Settings
+from loopwatch.detectors.engine import DetectorEngine, Policy
+from loopwatch.detectors.notify import AlertmanagerNotifier, Notifier, WebhookNotifier
+from loopwatch.detectors.outbox import Outbox
+from loopwatch.detectors.rules import load_rules, with_overrides
 from loopwatch.store.clickhouse import run_query
-from processors.sink import ClickHouseSink, RowBatch
+from loopwatch.store.sink import ClickHouseSink, RowBatch
 
 
 def notifiers(settings: Settings) -> dict[str, Notifier]:

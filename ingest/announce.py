@@ -17,7 +17,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ingest.privatefs import private_dir, write_private
+from loopwatch.ingest.privatefs import private_dir, write_private
 
 BROKER_FILE = "broker.json"
 

@@ -81,7 +81,7 @@ def claim_of(event: Any) -> Claim | None:
     """The claim an event makes, or None when it makes none (an SDK event, or extras
     that are no rank: a hostile or broken producer cannot take a run's agent so).
 
-    >>> from ingest.events import Step
+    >>> from loopwatch.ingest.events import Step
     >>> claim_of(Step(run_id="r", agent="a", step=1, otel_agent_rank=2, otel_agent_named_at=7))
     Claim(agent='a', rank=2, named_at=7)
     >>> claim_of(Step(run_id="r", agent="a", step=1))

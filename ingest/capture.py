@@ -27,7 +27,7 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from ingest.events import I64_MAX, U32_MAX
+from loopwatch.ingest.events import I64_MAX, U32_MAX
 
 CAPTURE_VERSION = 1
 LLM_PARTS: tuple[str, ...] = ("prompt", "response")

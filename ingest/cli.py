@@ -1,7 +1,7 @@
 """``loopwatch ingest``: the OTLP receiver standalone, and file imports.
 
 Wired into the main CLI with ``register(app)``; also runnable on its own as
-``python -m ingest.cli ingest ...``. Settings are read here, once, like the main CLI.
+``python -m loopwatch.ingest.cli ingest ...``. Settings are read here, once, like the main CLI.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 from loopwatch.cliargs import HELP_MARKUP, DataDir, console, port_number, positive, settings_from
-from loopwatch.config import Settings
+from loopwatch.core.config import Settings
 from loopwatch.liveline import LiveLine
 
 WaitTimeout = Annotated[float, typer.Option(
@@ -38,10 +38,10 @@ def serve(
 ) -> None:
     """Run the OTLP trace receivers (HTTP and gRPC) against the configured Kafka until
     Ctrl-C."""
-    from ingest.otlp.server import OtlpReceiver
-    from ingest.otlp.settings import load_otlp_settings
+    from loopwatch.core.topics import ensure_topics
+    from loopwatch.ingest.otlp.server import OtlpReceiver
+    from loopwatch.ingest.otlp.settings import load_otlp_settings
     from loopwatch.store.reader import running_service
-    from loopwatch.topics import ensure_topics
 
     settings = settings_from(data_dir)
     try:
@@ -85,8 +85,8 @@ def _progress(total: int, enabled: bool) -> Progress:
 
 
 def _run_import(settings: Settings, path: Path, records: Any, wait_timeout: float) -> None:
-    from ingest.importers.delivery import Delivery, ImportFailed, deliver, open_target
-    from ingest.importers.records import Bad
+    from loopwatch.ingest.importers.delivery import Delivery, ImportFailed, deliver, open_target
+    from loopwatch.ingest.importers.records import Bad
 
     def report(bad: Bad) -> None:
         console.print(f"[yellow]skipped {bad.position}:[/yellow] {bad.reason}")
@@ -132,8 +132,8 @@ def file(
     wait_timeout: WaitTimeout = 600.0,
 ) -> None:
     """Import JSONL in the event contract; exits once every event is stored."""
-    from ingest.importers.jsonl import read_jsonl
-    from ingest.importers.records import file_digest
+    from loopwatch.ingest.importers.jsonl import read_jsonl
+    from loopwatch.ingest.importers.records import file_digest
 
     settings = settings_from(data_dir)
     _run_import(settings, path, read_jsonl(path, file_digest(path)), wait_timeout)
@@ -163,8 +163,8 @@ def transcript(
     wait_timeout: WaitTimeout = 600.0,
 ) -> None:
     """Import recorded agent transcripts; exits once every event is stored."""
-    from ingest.importers.records import file_digest
-    from ingest.importers.transcripts import TranscriptOptions, read_transcripts
+    from loopwatch.ingest.importers.records import file_digest
+    from loopwatch.ingest.importers.transcripts import TranscriptOptions, read_transcripts
 
     if format != "openai-chat":
         console.print(f"[red]unknown --format {format!r}[/red]; supported: openai-chat")

@@ -28,7 +28,7 @@ from typing import Any
 from kafka import TopicPartition
 from kafka.admin import KafkaAdminClient
 
-from ingest.spool import DiskSpool
+from loopwatch.ingest.spool import DiskSpool
 
 log = logging.getLogger(__name__)
 

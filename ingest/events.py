@@ -27,7 +27,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
-from ingest.ids import time_ordered_uuid
+from loopwatch.ingest.ids import time_ordered_uuid
 
 SCHEMA_MAJOR = 1
 SCHEMA_MINOR = 0
@@ -90,7 +90,7 @@ def check_schema_version(version: str) -> str:
     >>> check_schema_version("2.0")  # doctest: +IGNORE_EXCEPTION_DETAIL
     Traceback (most recent call last):
     ...
-    ingest.events.SchemaVersionError: unsupported schema_version major 2 (this build reads 1.x)
+    SchemaVersionError: unsupported schema_version major 2 (this build reads 1.x)
     """
     major_text = str(version).split(".", 1)[0]
     if not major_text.isdigit():
@@ -133,7 +133,7 @@ def _now() -> datetime:
 
 
 class EventBase(BaseModel):
-    """Fields every event carries. OTel names are in :data:`ingest.otel.FIELD_TO_OTEL`."""
+    """Fields every event carries. OTel names are in :data:`loopwatch.ingest.otel.FIELD_TO_OTEL`."""
 
     #: numbers must be finite: JSON has no NaN or infinity, but ``1e999`` parses as
     #: infinity, and an infinite latency or cost would poison every aggregate over it

@@ -11,8 +11,8 @@ from typing import Any
 
 import orjson
 
-from ingest.events import EVENT_ADAPTER, SCHEMA_VERSION
-from ingest.wire import ENVELOPE_VERSION
+from loopwatch.ingest.events import EVENT_ADAPTER, SCHEMA_VERSION
+from loopwatch.ingest.wire import ENVELOPE_VERSION
 
 
 def contract_schema() -> dict[str, Any]:
@@ -48,4 +48,4 @@ def render() -> bytes:
 
 
 def checked_in() -> bytes:
-    return resources.files("ingest").joinpath("schema/events.schema.json").read_bytes()
+    return resources.files("loopwatch.ingest").joinpath("schema/events.schema.json").read_bytes()

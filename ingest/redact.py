@@ -98,7 +98,7 @@ class Redactor:
     Keys of dicts are kept (they are the structure a replay needs), except that the
     value under a key naming a secret (``api_key``, ``authorization``, ``password``…)
     is redacted whole when it is a string. Usable as the ``redact`` callable of
-    :mod:`ingest.capture`: ``(value) -> (redacted value, replacements)``; the input is
+    :mod:`loopwatch.ingest.capture`: ``(value) -> (redacted value, replacements)``; the input is
     never modified.
     """
 

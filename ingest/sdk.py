@@ -17,14 +17,14 @@ with kafka-python, so the agent's loop never waits on the network. Events for on
 partition travel together in an envelope (the partition is chosen from ``run_id``, so
 a run's events stay ordered): up to ``max_batch`` events of a partition, gathered for
 up to ``linger_s``. Every accepted event has room reserved in a bounded on-disk spool
-(:mod:`ingest.spool`); when the spool is full, ``emit`` raises :class:`SpoolFull` and
+(:mod:`loopwatch.ingest.spool`); when the spool is full, ``emit`` raises :class:`SpoolFull` and
 the event is counted in ``stats.refused``, never dropped later. ``event_id`` makes
 every resend harmless downstream.
 
 - The embedded broker (``confirm="auto"`` when the address is the data dir's broker,
   or ``confirm="pipeline"``) keeps everything in memory, so its acknowledgement is not
   enough: each batch is written ahead to the spool (one fsync) and kept until the
-  processors' consumer group committed past it (:mod:`ingest.confirm`). When the
+  processors' consumer group committed past it (:mod:`loopwatch.ingest.confirm`). When the
   broker was restarted (a new incarnation in broker.json, or committed offsets that
   went back) everything not yet confirmed is sent again.
 - A Kafka cluster (``acks=all``, replication; ``confirm="broker"``, or ``auto`` with an
@@ -71,10 +71,10 @@ from kafka.errors import KafkaError
 from kafka.partitioner.default import murmur2
 from kafka.producer.future import RecordMetadata
 
-from ingest.announce import BrokerAnnouncement, default_data_dir, read_announcement
-from ingest.capture import CaptureMessage, Redact, build_capture_message, part_hash
-from ingest.confirm import Confirmations, Tracked
-from ingest.events import (
+from loopwatch.ingest.announce import BrokerAnnouncement, default_data_dir, read_announcement
+from loopwatch.ingest.capture import CaptureMessage, Redact, build_capture_message, part_hash
+from loopwatch.ingest.confirm import Confirmations, Tracked
+from loopwatch.ingest.events import (
     Annotation,
     EventBase,
     Label,
@@ -85,10 +85,15 @@ from ingest.events import (
     ToolCall,
     canonical_args_hash,
 )
-from ingest.handoff import Handoff
-from ingest.redact import Redactor
-from ingest.spool import DiskSpool, SpoolFull, open_spool
-from ingest.wire import ENVELOPE_OVERHEAD_BYTES, envelope_chunks, exact_json, message_value
+from loopwatch.ingest.handoff import Handoff
+from loopwatch.ingest.redact import Redactor
+from loopwatch.ingest.spool import DiskSpool, SpoolFull, open_spool
+from loopwatch.ingest.wire import (
+    ENVELOPE_OVERHEAD_BYTES,
+    envelope_chunks,
+    exact_json,
+    message_value,
+)
 
 #: the Emitter's defaults: events per message (one envelope), and bytes per message
 MAX_BATCH = 500
@@ -332,7 +337,7 @@ class Emitter:
         return self._group
 
     def _lost(self, reason: str) -> None:
-        """The broker lost what it held (see :mod:`ingest.confirm`): the sender resends."""
+        """The broker lost what it held (:mod:`loopwatch.ingest.confirm`): the sender resends."""
         self._resend_all.set()
         self._queue.wake()
 

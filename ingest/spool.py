@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ingest.privatefs import open_private, private_dir
+from loopwatch.ingest.privatefs import open_private, private_dir
 
 SEGMENT_PREFIX = "seg-"
 SEGMENT_SUFFIX = ".log"

@@ -13,7 +13,7 @@ reason, so one bad event in an envelope does not cost its neighbours.
 
 Decoding is the processors' hot path, so it has three routes to one result. Most
 messages decode in one msgspec pass into structs mirrored from the models
-(:mod:`ingest.structs`). A message the mirror does not plainly accept (extras, epoch
+(:mod:`loopwatch.ingest.structs`). A message the mirror does not plainly accept (extras, epoch
 times, lenient numbers) is split into its events' raw bytes and validated in one
 pydantic call (``TypeAdapter(list[Event]).validate_json``). If that fails too, the
 original per-event route decides and words every dead letter exactly as before.
@@ -30,7 +30,7 @@ import msgspec
 import orjson
 from pydantic import TypeAdapter, ValidationError
 
-from ingest.events import (
+from loopwatch.ingest.events import (
     SCHEMA_VERSION,
     Event,
     EventBase,
@@ -38,7 +38,7 @@ from ingest.events import (
     check_schema_version,
     parse_event,
 )
-from ingest.structs import mirror_message
+from loopwatch.ingest.structs import mirror_message
 
 ENVELOPE_VERSION = 1
 #: the deepest nesting orjson writes back
@@ -57,7 +57,7 @@ class DeadLetter:
 @dataclass(frozen=True, slots=True)
 class Decoded:
     """A message's valid events and dead letters. ``events_json``: the events as one
-    JSON array (:class:`ingest.structs.Mirrored`) when the msgspec mirror decoded the
+    JSON array (:class:`loopwatch.ingest.structs.Mirrored`) when the msgspec mirror decoded the
     whole message, else None."""
 
     events: list[EventBase]

@@ -56,7 +56,7 @@ def up(
         callback=port_number)] = None,
 ) -> None:
     """Run broker (unless configured), processors and the store service until Ctrl-C."""
-    from loopwatch.embedded.lifecycle import BrokerError
+    from loopwatch.core.embedded.lifecycle import BrokerError
     from loopwatch.runtime import run_up
 
     settings = settings_from(data_dir)
@@ -160,7 +160,8 @@ def query(
 
 @app.command()
 def investigate(
-    name: Annotated[str, typer.Argument(help="one of the README's investigation queries")],
+    name: Annotated[str, typer.Argument(
+        help="one of the investigation queries (docs/investigations.md)")],
     param: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, e.g. run_id=...")] = None,
     agent: Annotated[str, typer.Option(help="only this agent ('' = all)")] = "",
     data_dir: DataDir = None,
@@ -270,7 +271,7 @@ def playbook(
     """Print a playbook and run its investigation queries against the store."""
     from datetime import timedelta
 
-    from detectors.playbooks import Step, load_playbooks
+    from loopwatch.detectors.playbooks import Step, load_playbooks
     from loopwatch.playbookview import missing_options, print_playbook
     from loopwatch.store.reader import QueryError
 
@@ -310,7 +311,7 @@ def detect(data_dir: DataDir = None) -> None:
     """Run the detectors as a service against the configured ClickHouse server."""
     import threading
 
-    from detectors.service import build_engine
+    from loopwatch.detectors.service import build_engine
     from loopwatch.store.clickhouse import connect, migrate
 
     settings = settings_from(data_dir)
@@ -322,7 +323,7 @@ def detect(data_dir: DataDir = None) -> None:
     engine = build_engine(settings, connect(settings), connect(settings))
     console.print(f"detectors running every {settings.detect_interval_s:g}s; Ctrl-C stops")
     stop = threading.Event()
-    from loopwatch.capture.decide import start_decider  # capture decisions run here too
+    from loopwatch.processors.jobs.capture_decide import start_decider
 
     start_decider(settings, connect(settings), stop)
     try:
@@ -337,8 +338,8 @@ def detect_csv(
     list_: Annotated[bool, typer.Option("--list", help="name the detectors")] = False,
 ) -> None:
     """Score a `timestamp,value` CSV from stdin online; write it with `anomaly_score`."""
-    from detectors.anomaly.csvscore import score_csv
-    from detectors.anomaly.registry import DEFAULT_DETECTOR, DETECTORS
+    from loopwatch.detectors.anomaly.csvscore import score_csv
+    from loopwatch.detectors.anomaly.registry import DEFAULT_DETECTOR, DETECTORS
 
     if list_:
         for name in DETECTORS:
@@ -450,7 +451,7 @@ def dlq_list(
     as_json: JsonFlag = False,
 ) -> None:
     """Show dead letters, newest first, with their reasons."""
-    from loopwatch.deadletters import list_dead_letters
+    from loopwatch.processors.jobs.deadletters import list_dead_letters
 
     reader, store = open_checked(settings_from(data_dir))
     result = list_dead_letters(reader, limit)
@@ -466,7 +467,7 @@ def dlq_list(
 @dlq_app.command("replay")
 def dlq_replay(data_dir: DataDir = None) -> None:
     """Re-submit dead letters not yet replayed (after a fix); they are marked replayed."""
-    from loopwatch.deadletters import replay_dead_letters
+    from loopwatch.processors.jobs.deadletters import replay_dead_letters
 
     settings = settings_from(data_dir)
     count = replay_dead_letters(settings)
@@ -479,7 +480,7 @@ def reprocess(
     data_dir: DataDir = None,
 ) -> None:
     """Recompute derived tables from stored raw events (after a price or config change)."""
-    from loopwatch.reprocess import reprocess_since
+    from loopwatch.processors.jobs.reprocess import reprocess_since
     from loopwatch.store.clickhouse import read_time
 
     settings = settings_from(data_dir)
@@ -500,7 +501,7 @@ def schema(
     output: Annotated[Path | None, typer.Argument(help="file to write; default stdout")] = None,
 ) -> None:
     """Export the event contract (single events and envelopes) as JSON Schema."""
-    from ingest.jsonschema import render
+    from loopwatch.ingest.jsonschema import render
 
     if output is None:
         sys.stdout.write(render().decode())
@@ -510,10 +511,10 @@ def schema(
 
 def _register_parts() -> None:
     """Commands that live with their parts (ingest, dashboards) join the main CLI here."""
-    from bench.cli import register as register_bench
-    from dashboards.cli import register as register_dashboards
-    from ingest.cli import register as register_ingest
-    from loopwatch.replay.cli import register as register_replay
+    from loopwatch.bench.cli import register as register_bench
+    from loopwatch.dashboards.cli import register as register_dashboards
+    from loopwatch.ingest.cli import register as register_ingest
+    from loopwatch.processors.replay.cli import register as register_replay
 
     register_ingest(app)
     register_dashboards(app)

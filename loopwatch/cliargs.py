@@ -25,8 +25,8 @@ from pydantic import ValidationError
 from rich.console import Console
 from typer.core import TyperGroup
 
-from loopwatch.config import Settings, load_settings
-from loopwatch.masking import mask_secrets
+from loopwatch.core.config import Settings, load_settings
+from loopwatch.core.masking import mask_secrets
 
 console = Console(stderr=True, soft_wrap=True)
 #: every command group's help is plain text: as rich markup, its bracketed notes

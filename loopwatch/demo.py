@@ -17,13 +17,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from dashboards.web.server import serve_in_thread
-from ingest.redact import Redactor
-from ingest.sdk import Emitter
-from loopwatch.config import Settings
-from loopwatch.embedded.lifecycle import discard_broker
+from loopwatch.core.config import Settings
+from loopwatch.core.embedded.lifecycle import discard_broker
+from loopwatch.core.money import usd
+from loopwatch.dashboards.web.server import serve_in_thread
+from loopwatch.ingest.redact import Redactor
+from loopwatch.ingest.sdk import Emitter
 from loopwatch.liveline import LiveLine
-from loopwatch.money import usd
 from loopwatch.report import fleet_report
 from loopwatch.simulator import FleetSimulator, SimulatorResult
 from loopwatch.upprocess import UpProcess

@@ -1,4 +1,4 @@
-"""Named investigation queries (``store/investigations.sql``), shown in the README and
+"""Named investigation queries (``store/investigations.sql``), shown in docs/investigations.md and
 run by ``loopwatch investigate NAME``.
 
 >>> sorted(investigations())[:2]

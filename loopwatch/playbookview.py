@@ -2,7 +2,7 @@
 Markdown fences) and followed by its answer, and a step that needs a parameter the
 user did not give is said to be skipped, with the option that gives it.
 
-``detectors.playbooks.render_markdown`` stays what it is for: pasting into an incident
+``loopwatch.detectors.playbooks.render_markdown`` stays what it is for: pasting into an incident
 channel. Read raw on a terminal it was ``#``, ``**`` and ```` ```sql ```` fences, and a
 step whose query needs a run id ran with an empty one and answered nothing.
 """
@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from detectors.playbooks import Playbook, Step
+from loopwatch.detectors.playbooks import Playbook, Step
 
 #: a step parameter that has no "all" value, and the option that fills it
 REQUIRED_OPTIONS = {"run_id": "--run-id RUN_ID"}

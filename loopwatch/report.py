@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from ingest.events import OUTCOMES
+from loopwatch.ingest.events import OUTCOMES
 from loopwatch.store.reader import Reader
 
 RUNS_SQL = """

@@ -27,17 +27,20 @@ from typing import Any
 import faust
 import orjson
 
-from detectors.service import start_detectors
-from ingest.otlp.server import OtlpReceiver
-from ingest.otlp.settings import load_otlp_settings
-from ingest.privatefs import PRIVATE_UMASK, private_dir
-from ingest.sdk import partition_for
-from loopwatch.capture.decide import start_decider
-from loopwatch.config import Settings
-from loopwatch.deadletters import replay_pending
-from loopwatch.embedded.lifecycle import DataDirBroker
-from loopwatch.masking import safe_url
-from loopwatch.reprocess import reprocess_with
+from loopwatch.core.config import Settings
+from loopwatch.core.embedded.lifecycle import DataDirBroker
+from loopwatch.core.masking import safe_url
+from loopwatch.core.topics import LagProbe, ensure_topics
+from loopwatch.detectors.service import start_detectors
+from loopwatch.ingest.otlp.server import OtlpReceiver
+from loopwatch.ingest.otlp.settings import load_otlp_settings
+from loopwatch.ingest.privatefs import PRIVATE_UMASK, private_dir
+from loopwatch.ingest.sdk import partition_for
+from loopwatch.processors.app import Processor
+from loopwatch.processors.jobs.capture_decide import start_decider
+from loopwatch.processors.jobs.deadletters import replay_pending
+from loopwatch.processors.jobs.reprocess import reprocess_with
+from loopwatch.processors.runs import RunState, pending_label_state, seen_from_ids
 from loopwatch.store.clickhouse import connect, migrate
 from loopwatch.store.reader import (
     DirectReader,
@@ -47,13 +50,10 @@ from loopwatch.store.reader import (
     running_service,
 )
 from loopwatch.store.remote_sink import INSERT_PATH, ServiceSink, decode_batch
+from loopwatch.store.revisions import REVISIONS_TABLE
 from loopwatch.store.service import StoreService
+from loopwatch.store.sink import ClickHouseSink, FaultInjectingSink, RowBatch, Sink
 from loopwatch.store.sizecap import start_size_cap, storage_report
-from loopwatch.topics import LagProbe, ensure_topics
-from processors.app import Processor
-from processors.attribution import REVISIONS_TABLE
-from processors.runs import RunState, pending_label_state, seen_from_ids
-from processors.sink import ClickHouseSink, FaultInjectingSink, RowBatch, Sink
 
 log = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from ingest.sdk import Emitter, RunContext
-from processors.pricing import PriceTable
+from loopwatch.ingest.sdk import Emitter, RunContext
+from loopwatch.processors.pricing import PriceTable
 
 Plan = Iterator[float]
 

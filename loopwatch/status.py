@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from ingest.announce import read_announcement
-from loopwatch.config import Settings
+from loopwatch.core.config import Settings
+from loopwatch.ingest.announce import read_announcement
 from loopwatch.store.reader import ServiceReader, running_service
 
 

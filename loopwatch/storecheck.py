@@ -9,8 +9,8 @@ database is a store; anything else is refused, unless the user asked to create o
 
 from __future__ import annotations
 
-from loopwatch.config import Settings
-from loopwatch.masking import safe_url
+from loopwatch.core.config import Settings
+from loopwatch.core.masking import safe_url
 from loopwatch.store.reader import Reader, open_reader, running_service
 
 

@@ -14,11 +14,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from ingest.announce import BrokerAnnouncement, read_announcement
-from ingest.privatefs import append_private, private_dir
-from loopwatch.config import load_settings
-from loopwatch.embedded.lifecycle import discard_broker
-from loopwatch.processes import terminate
+from loopwatch.core.config import load_settings
+from loopwatch.core.embedded.lifecycle import discard_broker
+from loopwatch.core.processes import terminate
+from loopwatch.ingest.announce import BrokerAnnouncement, read_announcement
+from loopwatch.ingest.privatefs import append_private, private_dir
 from loopwatch.store.reader import ServiceReader, running_service
 
 

@@ -1,4 +1,4 @@
-"""The faust-streaming binding of :class:`processors.pipeline.Pipeline`.
+"""The faust-streaming binding of :class:`loopwatch.processors.pipeline.Pipeline`.
 
 One agent consumes the events topic in batches (``take_events``). For each batch:
 decode and fold into run state (the ``runs`` table, changelogged), write the rows to
@@ -29,15 +29,15 @@ from typing import Any
 import faust
 import orjson
 
-from loopwatch.config import Settings
-from processors.capture_app import register_captures
-from processors.continuity import PartitionContinuity
-from processors.deadletter import DeadLetterRecord
-from processors.kafka_writes import KafkaWrites, record_limit
-from processors.pipeline import Pipeline, RawMessage, Work
-from processors.rows import EVENTS_IN_TABLE
-from processors.runs import RunState
-from processors.sink import RetriesStopped, RetryingSink, RowBatch, Sink
+from loopwatch.core.config import Settings
+from loopwatch.processors.capture_app import register_captures
+from loopwatch.processors.continuity import PartitionContinuity
+from loopwatch.processors.deadletter import DeadLetterRecord
+from loopwatch.processors.kafka_writes import KafkaWrites, record_limit
+from loopwatch.processors.pipeline import Pipeline, RawMessage, Work
+from loopwatch.processors.rows import EVENTS_IN_TABLE
+from loopwatch.processors.runs import RunState
+from loopwatch.store.sink import RetriesStopped, RetryingSink, RowBatch, Sink
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ WRITES_IN_FLIGHT = 2
 CAUGHT_UP_INTERVAL_S = 1.0
 #: an idle processor reads a partition again from its next expected offset when the
 #: partition's end is past it and none of its messages came for this long
-#: (:meth:`processors.continuity.PartitionContinuity.stalled`)
+#: (:meth:`loopwatch.processors.continuity.PartitionContinuity.stalled`)
 STALLED_PARTITION_S = 5.0
 
 
@@ -309,7 +309,7 @@ class Processor:
         skip_once: tuple[int, int] | None = None,
     ) -> None:
         """``skip_once`` (partition, offset) hides that message from the agent once, as
-        faust's lost hand-over does (:mod:`processors.continuity`): fault injection for
+        faust's lost hand-over does (:mod:`loopwatch.processors.continuity`): fault injection for
         tests, never set in normal operation."""
         self.settings = settings
         self.continuity = PartitionContinuity()
@@ -426,7 +426,7 @@ class Processor:
 
     async def _without_holes(self, events: list[Any]) -> list[Any]:
         """The taken events up to any hole in their partition's offsets; a partition
-        with a hole is read again from it (:mod:`processors.continuity`). Events kept
+        with a hole is read again from it (:mod:`loopwatch.processors.continuity`). Events kept
         back keep their extra reference, so they are never acknowledged: their copies
         read again are."""
         if self._skip_once is not None:
@@ -531,7 +531,7 @@ class Processor:
         """An idle processor (every taken batch acknowledged) whose partition has
         messages past the next expected offset, none of which came for
         ``STALLED_PARTITION_S``, reads it again from there: a hole at a partition's
-        end (:mod:`processors.continuity`)."""
+        end (:mod:`loopwatch.processors.continuity`)."""
         if not self._ready() or (self._last_acked is not None and not self._last_acked.done()):
             return
         consumer = self.app.consumer

@@ -1,9 +1,9 @@
 """The engine-free capture stage: capture messages in, staging rows and dead letters out.
 
-A capture message (docs/capture.md, :class:`ingest.capture.CaptureMessage`) becomes one
+A capture message (docs/capture.md, :class:`loopwatch.ingest.capture.CaptureMessage`) becomes one
 ``capture_staging`` row per part and one ``capture_staging_blobs`` row per distinct
 blob. Nothing is decided here: which runs keep their bodies is decided once the run is
-closed (:mod:`loopwatch.capture.decide`), so this stage stays a pure, idempotent
+closed (:mod:`loopwatch.processors.jobs.capture_decide`), so this stage stays a pure, idempotent
 transformation (rows are keyed by ``(run_id, event_id, part)`` and by ``hash``, so a
 redelivered message rewrites the same rows).
 
@@ -23,16 +23,16 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
-from ingest.capture import CAPTURE_VERSION, CaptureMessage, blob_hash
-from ingest.wire import parse_exact
-from processors import rows
-from processors.deadletter import bounded
-from processors.pipeline import RawMessage, Work
+from loopwatch.ingest.capture import CAPTURE_VERSION, CaptureMessage, blob_hash
+from loopwatch.ingest.wire import parse_exact
+from loopwatch.processors.deadletter import bounded
+from loopwatch.processors.pipeline import RawMessage, Work
+from loopwatch.store import letters, tables
 
 #: Blobs are written before the parts that reference them (a reader that sees a part
 #: finds its blobs), so this table comes first in every batch.
-BLOBS_TABLE = "capture_staging_blobs"
-PARTS_TABLE = "capture_staging"
+BLOBS_TABLE = tables.CAPTURE_STAGING_BLOBS
+PARTS_TABLE = tables.CAPTURE_STAGING
 
 
 class InvalidCapture(ValueError):
@@ -116,7 +116,7 @@ class CaptureStage:
 
     def __init__(self, letter_limit: int) -> None:
         """``letter_limit``: the bytes of a refused message its dead letter keeps
-        (:func:`processors.deadletter.payload_limit`)."""
+        (:func:`loopwatch.processors.deadletter.payload_limit`)."""
         self.counters = CaptureCounters()
         self._letter_limit = letter_limit
 
@@ -144,10 +144,10 @@ class CaptureStage:
 
     def _dead_letter(self, work: Work, message: RawMessage, reason: str,
                      now: datetime) -> None:
-        """As :meth:`processors.pipeline.Pipeline._dead_letter`: the id is derived from
+        """As :meth:`loopwatch.processors.pipeline.Pipeline._dead_letter`: the id is derived from
         the message's position, so a redelivery rewrites the same row."""
         source = f"{message.topic}:{message.partition}:{message.offset}:0"
-        letter_id = rows.letter_id(source)
+        letter_id = letters.letter_id(source)
         payload = message.value or b""
         run_id = ""
         try:
@@ -160,5 +160,5 @@ class CaptureStage:
                          self._letter_limit)
         self.counters.dead_letters += 1
         work.dead.append(record)
-        work.rows.add("dead_letters", rows.dead_letter_row(
+        work.rows.add(tables.DEAD_LETTERS, letters.dead_letter_row(
             letter_id, source, record.reason, record.run_id, record.payload, now))

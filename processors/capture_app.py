@@ -1,4 +1,4 @@
-"""The faust binding of :class:`processors.capture.CaptureStage`: the captures topic.
+"""The faust binding of :class:`loopwatch.processors.capture.CaptureStage`: the captures topic.
 
 One more agent on the processors' faust app (same consumer group, same sink, same
 dead-letter topic). Delivery guarantee as for events: a batch's rows are written
@@ -15,13 +15,13 @@ import logging
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from processors.capture import CaptureStage
-from processors.deadletter import payload_limit
-from processors.pipeline import RawMessage
-from processors.sink import RetriesStopped
+from loopwatch.processors.capture import CaptureStage
+from loopwatch.processors.deadletter import payload_limit
+from loopwatch.processors.pipeline import RawMessage
+from loopwatch.store.sink import RetriesStopped
 
 if TYPE_CHECKING:
-    from processors.app import Processor
+    from loopwatch.processors.app import Processor
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ A hole at a partition's end has no later message to show it: the SIGKILL test al
 the last envelope of a partition never handed over, the group's lag stuck at 1.
 :meth:`PartitionContinuity.stalled` names the partitions whose end is past the next
 expected offset while none of their messages came for a while (the processor calls it
-when idle) and :class:`processors.app.Processor` reads them again from there.
+when idle) and :class:`loopwatch.processors.app.Processor` reads them again from there.
 
 >>> seen = PartitionContinuity()
 >>> seen.admit([(0, 10), (1, 4), (0, 11)])

@@ -10,7 +10,7 @@ forever while no offset was committed again.
 The limit is the smaller of ``max_message_bytes`` (every message the processors accept
 by size stays replayable) and what the broker takes for one record
 (``broker_max_message_bytes``) less room for the record's key, headers and batch
-framing (:func:`processors.kafka_writes.record_limit`). A cut letter says so in its
+framing (:func:`loopwatch.processors.kafka_writes.record_limit`). A cut letter says so in its
 reason (the table has no columns for size and hash) and in its headers, and replay
 leaves it alone: its payload is no longer the message.
 """
@@ -20,8 +20,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from loopwatch.config import Settings
-from processors.kafka_writes import record_limit
+from loopwatch.core.config import Settings
+from loopwatch.processors.kafka_writes import record_limit
 
 #: a reason longer than this is cut (it travels in a header)
 MAX_REASON_CHARS = 4000

@@ -31,8 +31,8 @@ from aiokafka.errors import (
     RecordTooLargeError,
 )
 
-from loopwatch.config import Settings
-from processors.sink import RetriesStopped
+from loopwatch.core.config import Settings
+from loopwatch.store.sink import RetriesStopped
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class KafkaWrites:
         return self.counters.retries
 
     def stop_retrying(self) -> None:
-        """As :meth:`processors.sink.RetryingSink.stop_retrying`, for Kafka writes."""
+        """As :meth:`loopwatch.store.sink.RetryingSink.stop_retrying`, for Kafka writes."""
         self._stopping.set()
 
     async def deliver(self, what: str, records: Sequence[R],

@@ -1,6 +1,6 @@
 """The engine-free core of the processors: Kafka messages in, state and rows out.
 
-faust (``processors.app``) feeds it batches and writes what it returns; tests can
+faust (``loopwatch.processors.app``) feeds it batches and writes what it returns; tests can
 drive it directly. It never raises on bad input: what cannot be decoded becomes a
 dead letter (table row + dead-letter topic) with its reason, and is counted.
 
@@ -20,7 +20,7 @@ waits in state, ``awaiting_run``, with no ``runs`` row: the run's events fold in
 they come within the label window (counted ``pending_labels_matched``), else the sweep
 forgets it (``pending_labels_expired``). Both count among ``labels_unmatched`` first.
 
-An OTLP span's event claims its trace's agent (:mod:`processors.attribution`): the
+An OTLP span's event claims its trace's agent (:mod:`loopwatch.processors.attribution`): the
 run keeps the best claim, stores every later row under it, and a better claim revises
 the rows stored before it (a revision row of the batch that raised the claim).
 
@@ -40,15 +40,16 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol
 
-from ingest.attribution import EXPLICIT, claim_of
-from ingest.events import Annotation, EventBase, Label, LlmCall, RunStart, ToolCall
-from ingest.wire import DeadLetter, Decoded, decode_message, encode_event
-from loopwatch.config import Settings
-from processors import attribution, rows
-from processors.deadletter import DeadLetterRecord, bounded, payload_limit
-from processors.pricing import PriceTable, cost_mismatch
-from processors.runs import RunState, abandon_if_expired, apply_event, ms, new_state
-from processors.sink import RowBatch
+from loopwatch.core.config import Settings
+from loopwatch.ingest.attribution import EXPLICIT, claim_of
+from loopwatch.ingest.events import Annotation, EventBase, Label, LlmCall, RunStart, ToolCall
+from loopwatch.ingest.wire import DeadLetter, Decoded, decode_message, encode_event
+from loopwatch.processors import attribution, rows
+from loopwatch.processors.deadletter import DeadLetterRecord, bounded, payload_limit
+from loopwatch.processors.pricing import PriceTable, cost_mismatch
+from loopwatch.processors.runs import RunState, abandon_if_expired, apply_event, ms, new_state
+from loopwatch.store import letters, tables
+from loopwatch.store.sink import RowBatch
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +211,7 @@ class Pipeline:
                 self._state_failed("settling", state.run_id, exc)
                 continue
             if row is not None:  # labels waiting for their run have no row
-                work.rows.add("runs", row)
+                work.rows.add(tables.RUNS, row)
                 if state.run_id in self._revise:
                     work.rows.add(attribution.REVISIONS_TABLE, attribution.revision_row(state))
             self._revise.discard(state.run_id)
@@ -250,7 +251,7 @@ class Pipeline:
                 self._file(state)
             return
         if abandon_if_expired(state, mark, self.abandon_ttl_ms(state)):
-            work.rows.add("runs", rows.run_row(state, now))
+            work.rows.add(tables.RUNS, rows.run_row(state, now))
             self._put(state)
             self.counters.runs_abandoned += 1
             self.counters.runs_closed += 1
@@ -329,11 +330,11 @@ class Pipeline:
         self, work: Work, message: RawMessage, index: int, letter: DeadLetter, now: datetime
     ) -> None:
         source = f"{message.topic}:{message.partition}:{message.offset}:{index}"
-        record = bounded(rows.letter_id(source), source, letter.reason, letter.run_id,
+        record = bounded(letters.letter_id(source), source, letter.reason, letter.run_id,
                          letter.payload, self._letter_limit)
         self.counters.dead_letters += 1
         work.dead.append(record)
-        work.rows.add("dead_letters", rows.dead_letter_row(
+        work.rows.add(tables.DEAD_LETTERS, letters.dead_letter_row(
             record.letter_id, source, record.reason, record.run_id, record.payload, now))
 
     def _processing_failed(self, work: Work, message: RawMessage, letter_index: int,
@@ -350,7 +351,7 @@ class Pipeline:
         thousandth are logged with their traceback; all are counted."""
         self._count_failure(exc, "on %s:%d:%d, run %r", message.topic, message.partition,
                             message.offset, run_id)
-        reason = rows.failure_reason("processing failed", exc)
+        reason = letters.failure_reason("processing failed", exc)
         self._dead_letter(work, message, letter_index, DeadLetter(reason, payload, run_id),
                           now)
 
@@ -393,7 +394,7 @@ class Pipeline:
         else:
             self.counters.future_events += 1
         if isinstance(event, Annotation):
-            work.rows.add("annotations", rows.annotation_row(event, now))
+            work.rows.add(tables.ANNOTATIONS, rows.annotation_row(event, now))
             return
         agent_rank = EXPLICIT
         claim = claim_of(event)
@@ -414,13 +415,13 @@ class Pipeline:
             )
             self.counters.cost_mismatches += int(mismatch)
             priced_cost = priced.cost_usd
-            work.rows.add("llm_calls", rows.llm_call_row(event, priced, mismatch, now,
-                                                         agent_rank))
+            work.rows.add(tables.LLM_CALLS,
+                          rows.llm_call_row(event, priced, mismatch, now, agent_rank))
         elif isinstance(event, ToolCall):
-            work.rows.add("tool_calls", rows.tool_call_row(event, self.settings.near_miss_factor,
-                                                           now, agent_rank))
+            work.rows.add(tables.TOOL_CALLS, rows.tool_call_row(
+                event, self.settings.near_miss_factor, now, agent_rank))
         elif isinstance(event, Label):
-            work.rows.add("labels", rows.label_row(event, now))
+            work.rows.add(tables.LABELS, rows.label_row(event, now))
         state = self._state_for(touched, event, message.partition, event_ms)
         was_closed = state.closed
         was_waiting = state.awaiting_run

@@ -76,7 +76,7 @@ class PriceTable:
         Every price and multiplier must be a number >= 0, else this raises naming it: a
         quoted number loaded as it was would make pricing raise on every call of that
         model, each a dead letter, instead of the processor refusing to start."""
-        source = path or resources.files("processors").joinpath("prices.json")
+        source = path or resources.files("loopwatch.processors").joinpath("prices.json")
         name = str(path or "processors/prices.json")
         data = json.loads(source.read_text())
         multipliers = data["cache_multipliers"]

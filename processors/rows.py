@@ -1,22 +1,22 @@
 """Events and run states as ClickHouse rows (column names match the migrations).
 
 Every row carries ``ingested_at``, the processor's wall clock when it built the row's
-batch: retention counts from it (loopwatch/store/retention.py), never from event time.
+batch: retention counts from it (store/retention.py), never from event time.
 """
 
 from __future__ import annotations
 
-import hashlib
 from datetime import UTC, datetime
 from typing import Any
 
 import orjson
 
-from ingest.attribution import EXPLICIT
-from ingest.events import Annotation, EventBase, Label, LlmCall, ToolCall
-from ingest.wire import exact_json
-from processors.pricing import PricedCall
-from processors.runs import RunState
+from loopwatch.ingest.attribution import EXPLICIT
+from loopwatch.ingest.events import Annotation, EventBase, Label, LlmCall, ToolCall
+from loopwatch.ingest.wire import exact_json
+from loopwatch.processors.pricing import PricedCall
+from loopwatch.processors.runs import RunState
+from loopwatch.store import tables
 
 ENVELOPE_COLUMNS = ("agent_version", "task_type", "model", "prompt_version", "deployment",
                     "traffic_slice", "worker_id")
@@ -35,7 +35,7 @@ EVENT_COLUMNS = ("event_id", "event_type", "schema_version", "ts", "run_id", "tr
 _OPTIONAL_IDS = ("trace_id", "span_id", "parent_span_id")
 
 #: the table ClickHouse splits into ``events`` rows (migration 006): one row per message
-EVENTS_IN_TABLE = "events_in"
+EVENTS_IN_TABLE = tables.EVENTS_IN
 
 
 def events_in_row(partition: int, offset: int, now: datetime, events_json: bytes,
@@ -47,7 +47,7 @@ def events_in_row(partition: int, offset: int, now: datetime, events_json: bytes
 
     ``events_json`` is the events as one JSON array of their fields in the models'
     order, no extras, nulls written or left out alike (the mirror's
-    :class:`ingest.structs.Mirrored` leaves them out, :func:`validated_events_json`
+    :class:`loopwatch.ingest.structs.Mirrored` leaves them out, :func:`validated_events_json`
     writes them); ``extras``, if any, one map per event of extra
     field -> its JSON. Python's share is that array, which the decoder already
     encoded: building and encoding the rows here took ~3 µs an event of the processor's
@@ -65,7 +65,7 @@ def validated_events_json(events: list[EventBase]) -> tuple[bytes, list[dict[str
     """Events pydantic validated (the mirror refused their message, e.g. for extras) in
     the form :func:`events_in_row` takes.
 
-    >>> from ingest.events import Step
+    >>> from loopwatch.ingest.events import Step
     >>> step = Step(run_id="r", agent="a", step=3, surprise=[1], ts="2026-01-02T03:04:05Z")
     >>> events_json, extras = validated_events_json([step])
     >>> orjson.loads(events_json)[0]["ts"], "surprise" in orjson.loads(events_json)[0], extras
@@ -86,7 +86,7 @@ def event_json(columns: dict[str, Any], payload: str | bytes) -> bytes:
     left the column fields out hold them twice, with the same values).
     ``tests/test_fast_paths.py`` rebuilds stored events with it.
 
-    >>> from ingest.events import Step
+    >>> from loopwatch.ingest.events import Step
     >>> step = Step(run_id="r", agent="a", step=2, ts="2026-01-02T03:04:05.678Z")
     >>> row = dict(step.model_dump(include=set(EVENT_COLUMNS)), trace_id="", span_id="",
     ...            parent_span_id="")
@@ -104,7 +104,7 @@ def event_json(columns: dict[str, Any], payload: str | bytes) -> bytes:
 
 def llm_call_row(event: LlmCall, priced: PricedCall, mismatch: bool, now: datetime,
                  agent_rank: int = EXPLICIT) -> dict[str, Any]:
-    """``agent_rank``: how authoritative the row's agent is (processors.attribution)."""
+    """``agent_rank``: how authoritative the row's agent is (loopwatch.processors.attribution)."""
     return {
         "event_id": event.event_id,
         "ts": event.ts,
@@ -256,38 +256,4 @@ def run_row(state: RunState, now: datetime) -> dict[str, Any]:
         "version": state.version,
         "state": orjson.dumps(state.to_dict(with_seen=False)).decode(),
         "ingested_at": now,
-    }
-
-
-#: how much of an exception's message a dead letter's reason keeps
-REASON_CHARS = 300
-
-
-def letter_id(source: str) -> str:
-    """A dead letter's id, derived from where it came from, so a redelivery of the same
-    input rewrites the same ``dead_letters`` row."""
-    return hashlib.sha256(source.encode()).hexdigest()[:32]
-
-
-def failure_reason(prefix: str, exc: Exception) -> str:
-    """A dead letter's reason for an exception: ``<prefix>: <type>: <message>``, cut.
-
-    >>> failure_reason("processing failed", ZeroDivisionError("planted bug"))
-    'processing failed: ZeroDivisionError: planted bug'
-    """
-    return f"{prefix}: {type(exc).__name__}: {str(exc)[:REASON_CHARS]}"
-
-
-def dead_letter_row(
-    letter_id: str, source: str, reason: str, run_id: str, payload: bytes, now: datetime
-) -> dict[str, Any]:
-    return {
-        "id": letter_id,
-        "received_at": now,
-        "source": source,
-        "reason": reason,
-        "run_id": run_id,
-        "payload": payload.decode("utf-8", errors="replace"),
-        "replayed_at": None,
-        "version": 1,
     }

@@ -35,7 +35,7 @@ import uuid
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ingest.events import EventBase, Label, LlmCall, RunEnd, RunStart, Step, ToolCall
+from loopwatch.ingest.events import EventBase, Label, LlmCall, RunEnd, RunStart, Step, ToolCall
 
 SEEN_EVENT_IDS = 4096
 #: up to this many seen ids are kept packed in one ``bytes``
@@ -99,7 +99,7 @@ class RunState:
     #: ``bytes``, or an ordered dict past :data:`SEEN_PACKED_IDS` (see :func:`remember`)
     seen: bytes | dict[bytes, None] = b""
     version: int = 0
-    #: the rank of ``agent``'s claim (:mod:`ingest.attribution`), -1 while no event
+    #: the rank of ``agent``'s claim (:mod:`loopwatch.ingest.attribution`), -1 while no event
     #: made one (an SDK run); ``agent_named_at``: when its naming span started (ns)
     agent_rank: int = -1
     agent_named_at: int = 0
@@ -310,7 +310,7 @@ def apply_event(
 ) -> bool:
     """Fold one event into the run; False when it was already applied (a redelivery).
 
-    >>> from ingest.events import ToolCall
+    >>> from loopwatch.ingest.events import ToolCall
     >>> s = RunState("r", 0)
     >>> calls = [ToolCall(run_id="r", agent="a", tool="grep", args_hash="h") for _ in range(3)]
     >>> [apply_event(s, c) for c in calls], s.loop_detected, apply_event(s, calls[0])

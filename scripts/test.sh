@@ -14,5 +14,5 @@ then
     prometheus-alertmanager chromium chromium-driver >/dev/null
 fi
 python3 -m venv .venv
-.venv/bin/pip install -q -e '.[test]'
+.venv/bin/pip install -q -e '.[test]'   # test includes the server extra
 exec .venv/bin/python -m pytest "$@"

@@ -1,6 +1,6 @@
 """Scripted runs with captured bodies, written into an in-process store the way the
 pipeline writes them: events, LLM and tool calls and runs through the real engine-free
-pipeline (``processors.pipeline.Pipeline``), capture rows exactly as docs/capture.md
+pipeline (``loopwatch.processors.pipeline.Pipeline``), capture rows exactly as docs/capture.md
 lays them out (every part staged; kept runs copied into ``capture_parts`` and
 ``capture_blobs``; a ``capture_decisions`` row once decided).
 
@@ -16,14 +16,14 @@ from typing import Any, Literal
 
 from clickhouse_connect.driver.client import Client
 
-from ingest.capture import CaptureMessage, build_capture_message
-from ingest.events import EventBase, LlmCall, RunEnd, RunStart, ToolCall
-from ingest.wire import encode_envelope
-from loopwatch.config import Settings
-from loopwatch.reprocess import MemoryRunStore
-from processors.capture import BLOBS_TABLE, PARTS_TABLE, staging_rows
-from processors.pipeline import Pipeline, RawMessage
-from processors.sink import ClickHouseSink, RowBatch
+from loopwatch.core.config import Settings
+from loopwatch.ingest.capture import CaptureMessage, build_capture_message
+from loopwatch.ingest.events import EventBase, LlmCall, RunEnd, RunStart, ToolCall
+from loopwatch.ingest.wire import encode_envelope
+from loopwatch.processors.capture import BLOBS_TABLE, PARTS_TABLE, staging_rows
+from loopwatch.processors.jobs.reprocess import MemoryRunStore
+from loopwatch.processors.pipeline import Pipeline, RawMessage
+from loopwatch.store.sink import ClickHouseSink, RowBatch
 
 MODEL = "claude-sonnet-4"
 Capture = Literal["kept", "pending", "discarded", "none"]

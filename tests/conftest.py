@@ -20,15 +20,15 @@ import orjson
 import pytest
 from clickhouse_connect.driver.client import Client
 
-from ingest.sdk import Emitter
-from loopwatch.config import Settings
-from loopwatch.embedded.broker import EmbeddedBroker, free_port
+from loopwatch.core.config import Settings
+from loopwatch.core.embedded.broker import EmbeddedBroker, free_port
+from loopwatch.ingest.sdk import Emitter
+from loopwatch.processors.rows import EVENTS_IN_TABLE
 from loopwatch.store.clickhouse import QueryResult, migrate
 from loopwatch.store.reader import DirectReader, ServiceReader
 from loopwatch.store.service import dumps
+from loopwatch.store.sink import RowBatch, encode_rows
 from loopwatch.upprocess import UpProcess
-from processors.rows import EVENTS_IN_TABLE
-from processors.sink import RowBatch, encode_rows
 from tests.receivers import Receiver
 
 T = TypeVar("T")

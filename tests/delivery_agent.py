@@ -15,8 +15,8 @@ from pathlib import Path
 
 import orjson
 
-from ingest.events import LlmCall, RunEnd, RunStart, Step
-from ingest.sdk import Emitter
+from loopwatch.ingest.events import LlmCall, RunEnd, RunStart, Step
+from loopwatch.ingest.sdk import Emitter
 
 #: terminal reason -> outcome, cycled over the runs
 SCRIPT = (("model_done", "success"), ("crash", "hard_error"), ("cap", "budget_exhausted"),

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ingest.sdk import Emitter, RunContext
+from loopwatch.ingest.sdk import Emitter, RunContext
 from loopwatch.store.reader import ServiceReader
 from tests.conftest import scalar, wait_for, wait_stored
 

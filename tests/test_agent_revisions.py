@@ -2,7 +2,7 @@
 order and batching of its spans, a revised row replaces the one it revises, and
 redelivery never counts a call twice.
 
-Real mapping (:func:`ingest.otlp.mapping.map_spans`, one call per export request), real
+Real mapping (:func:`loopwatch.ingest.otlp.mapping.map_spans`, one call per export request), real
 pipeline, real sink and real chdb (the session's in-process store, a database per
 test); Kafka adds nothing to attribution, so each request's events are handed to the
 pipeline as one message, one batch per request, as the processors would read them.
@@ -17,17 +17,18 @@ import orjson
 import pytest
 from clickhouse_connect.driver.client import Client
 
-from ingest.otlp.decode import Span
-from ingest.otlp.mapping import map_spans
-from ingest.wire import encode_envelope
-from loopwatch.config import Settings
-from loopwatch.reprocess import MemoryRunStore
+from loopwatch.core.config import Settings
+from loopwatch.ingest.otlp.decode import Span
+from loopwatch.ingest.otlp.mapping import map_spans
+from loopwatch.ingest.wire import encode_envelope
+from loopwatch.processors.attribution import revision_row
+from loopwatch.processors.jobs.reprocess import MemoryRunStore
+from loopwatch.processors.pipeline import Pipeline, RawMessage
 from loopwatch.runtime import _insert_action
 from loopwatch.store.clickhouse import connect, migrate
 from loopwatch.store.remote_sink import encode_batch
-from processors.attribution import REVISIONS_TABLE, revise, revision_row
-from processors.pipeline import Pipeline, RawMessage
-from processors.sink import ClickHouseSink, RowBatch
+from loopwatch.store.revisions import REVISIONS_TABLE, revise
+from loopwatch.store.sink import ClickHouseSink, RowBatch
 
 T0 = 1_767_225_600_000_000_000  # 2026-01-01T00:00:00Z in ns
 ROOT, OUTER, INNER, CHAT, TOOL = "1" * 16, "2" * 16, "3" * 16, "4" * 16, "5" * 16

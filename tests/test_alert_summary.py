@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from detectors.alerts import Alert, AlertBook
-from detectors.rules import Finding, load_rules
+from loopwatch.detectors.alerts import Alert, AlertBook
+from loopwatch.detectors.rules import Finding, load_rules
 
 NOW = datetime(2026, 1, 1, 12, tzinfo=UTC)
 RULE = next(rule for rule in load_rules().values()

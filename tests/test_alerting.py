@@ -15,12 +15,12 @@ from typing import Any
 import orjson
 import pytest
 
-from detectors.engine import DetectorEngine, Policy
-from detectors.notify import WebhookNotifier, verify_signature
-from detectors.outbox import Outbox
-from ingest.events import RunEnd
-from ingest.sdk import RunContext
-from processors.sink import ClickHouseSink, FaultInjectingSink, RowBatch
+from loopwatch.detectors.engine import DetectorEngine, Policy
+from loopwatch.detectors.notify import WebhookNotifier, verify_signature
+from loopwatch.detectors.outbox import Outbox
+from loopwatch.ingest.events import RunEnd
+from loopwatch.ingest.sdk import RunContext
+from loopwatch.store.sink import ClickHouseSink, FaultInjectingSink, RowBatch
 from tests.conftest import wait_for
 from tests.receivers import Receiver
 from tests.test_rules import NOW, Fleet, engine

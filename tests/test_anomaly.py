@@ -10,7 +10,7 @@ from datetime import datetime, timedelta
 import numpy as np
 import pytest
 
-from bench.nab_score import (
+from loopwatch.bench.nab_score import (
     LabelledSeries,
     Profile,
     best_threshold,
@@ -21,15 +21,15 @@ from bench.nab_score import (
     sweep_rows,
     sweep_thresholds,
 )
-from detectors.anomaly import DEFAULT_DETECTOR, DETECTORS, AnomalyDetector, score_csv
-from detectors.anomaly.base import score_series
-from detectors.anomaly.cusum import Cusum
-from detectors.anomaly.ewma import EWMALevelShift
-from detectors.anomaly.generic import GenericDetector
-from detectors.anomaly.ks import KSShift
-from detectors.anomaly.proportion import ProportionDetector
-from detectors.anomaly.robust_z import RobustZScore
-from detectors.anomaly.seasonal import SeasonalBaseline
+from loopwatch.detectors.anomaly import DEFAULT_DETECTOR, DETECTORS, AnomalyDetector, score_csv
+from loopwatch.detectors.anomaly.base import score_series
+from loopwatch.detectors.anomaly.cusum import Cusum
+from loopwatch.detectors.anomaly.ewma import EWMALevelShift
+from loopwatch.detectors.anomaly.generic import GenericDetector
+from loopwatch.detectors.anomaly.ks import KSShift
+from loopwatch.detectors.anomaly.proportion import ProportionDetector
+from loopwatch.detectors.anomaly.robust_z import RobustZScore
+from loopwatch.detectors.anomaly.seasonal import SeasonalBaseline
 
 ALERT = 0.5
 """Score of a tail probability of 1e-5 on the shared surprise scale."""

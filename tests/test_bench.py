@@ -12,8 +12,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from bench.cli import register
-from bench.pipeline import KEYS
+from loopwatch.bench.cli import register
+from loopwatch.bench.pipeline import KEYS
 
 FLOATS = ("pipeline_events_per_s", "raw_consume_events_per_s", "ratio", "emitter_events_per_s",
           "emitter_baseline_events_per_s", "emitter_spool_ratio",
@@ -63,11 +63,11 @@ def test_bench_smoke() -> None:
 
 
 def test_fold_bench_smoke_stores_every_event_once() -> None:
-    """``python -m bench.fold`` in its own process (chdb opens one store per process,
+    """``python -m loopwatch.bench.fold`` in its own process (chdb opens one store per process,
     and the test process has its own): every generated event is folded and stored
     once, none dead-lettered."""
     events = 3000
-    done = subprocess.run([sys.executable, "-m", "bench.fold", "--events", str(events),
+    done = subprocess.run([sys.executable, "-m", "loopwatch.bench.fold", "--events", str(events),
                            "--json"], capture_output=True, text=True, timeout=300,
                           check=False)
     assert done.returncode == 0, done.stderr

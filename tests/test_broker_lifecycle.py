@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from ingest.announce import BrokerAnnouncement, read_announcement, write_announcement
-from ingest.sdk import Emitter, RunContext
-from loopwatch.config import Settings
-from loopwatch.embedded.broker import answers, free_port, is_broker_command, process_argv
-from loopwatch.embedded.lifecycle import BrokerError, DataDirBroker
+from loopwatch.core.config import Settings
+from loopwatch.core.embedded.broker import answers, free_port, is_broker_command, process_argv
+from loopwatch.core.embedded.lifecycle import BrokerError, DataDirBroker
+from loopwatch.ingest.announce import BrokerAnnouncement, read_announcement, write_announcement
+from loopwatch.ingest.sdk import Emitter, RunContext
 from loopwatch.upprocess import UpProcess
 from tests.conftest import PIPELINE_ENV, scalar, wait_for
 

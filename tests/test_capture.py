@@ -17,10 +17,17 @@ import orjson
 import pytest
 from kafka import KafkaProducer
 
-from bench.pipeline import read_topic
-from ingest.capture import Blob, PartRef, assemble_part, blob_hash, build_capture_message, part_hash
-from ingest.sdk import Emitter
-from ingest.wire import exact_json
+from loopwatch.bench.pipeline import read_topic
+from loopwatch.ingest.capture import (
+    Blob,
+    PartRef,
+    assemble_part,
+    blob_hash,
+    build_capture_message,
+    part_hash,
+)
+from loopwatch.ingest.sdk import Emitter
+from loopwatch.ingest.wire import exact_json
 from tests.conftest import wait_for
 
 SYSTEM = {"role": "system", "content": "You are the refund bot. Be brief. " * 40}

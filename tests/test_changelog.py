@@ -16,18 +16,18 @@ from pathlib import Path
 import orjson
 import pytest
 
-from bench.pipeline import read_topic
-from ingest.events import Step
-from ingest.sdk import Emitter, RunContext
-from ingest.wire import encode_event
-from loopwatch.config import Settings
-from loopwatch.embedded.broker import EmbeddedBroker
+from loopwatch.bench.pipeline import read_topic
+from loopwatch.core.config import Settings
+from loopwatch.core.embedded.broker import EmbeddedBroker
+from loopwatch.ingest.events import Step
+from loopwatch.ingest.sdk import Emitter, RunContext
+from loopwatch.ingest.wire import encode_event
+from loopwatch.processors.app import Processor
+from loopwatch.processors.pipeline import RawMessage
+from loopwatch.processors.runs import RunState, seen_ids
 from loopwatch.runtime import _store_callbacks
 from loopwatch.store.reader import ServiceReader, ServiceUnreachable
-from processors.app import Processor
-from processors.pipeline import RawMessage
-from processors.runs import RunState, seen_ids
-from processors.sink import RowBatch
+from loopwatch.store.sink import RowBatch
 from tests.conftest import scalar, wait_for
 
 CHANGELOG_TOPIC = f"{Settings().consumer_group}-runs-changelog"
@@ -149,7 +149,7 @@ def test_a_sweep_pass_that_cannot_reach_the_store_is_logged_and_tried_again(
                           open_runs=counted_open_runs, lookup_run=lookup_run)
     monkeypatch.setattr(processor, "_ready", lambda: True)
     monkeypatch.setattr(processor.store, "active_partitions", lambda: {0, 1})
-    with caplog.at_level(logging.ERROR, logger="processors.app"):
+    with caplog.at_level(logging.ERROR, logger="loopwatch.processors.app"):
         for _ in range(2):
             asyncio.run(processor._sweep())
     assert asked == [0, 1]

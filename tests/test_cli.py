@@ -13,7 +13,7 @@ import orjson
 import pytest
 from rich.console import Console
 
-from ingest.events import OUTCOMES
+from loopwatch.ingest.events import OUTCOMES
 
 
 def loopwatch(*args: str, env: dict[str, str] | None = None,
@@ -62,7 +62,7 @@ def test_invalid_settings_get_a_message_a_person_can_act_on(tmp_path: Path):
 
 def test_schema_command_prints_the_checked_in_schema():
     result = loopwatch("schema")
-    from ingest.jsonschema import checked_in
+    from loopwatch.ingest.jsonschema import checked_in
 
     assert result.stdout.encode() == checked_in()
 
@@ -74,7 +74,7 @@ def test_reprocess_through_the_service_is_idempotent(pipeline, reader, emitter, 
     abandoned by the sweep while this test runs. Such a run is counted by the reprocess
     only if it closed before the reprocess read the closed runs, and it is compared by
     nothing: idempotency is about the runs that were closed before."""
-    from ingest.sdk import RunContext
+    from loopwatch.ingest.sdk import RunContext
     from tests.conftest import scalar, wait_for
 
     left_open = RunContext(emitter, f"{agent}-left", {"agent": agent, "model": "gpt-4o"})

@@ -20,7 +20,7 @@ import pytest
 import typer
 
 from loopwatch.cli import app
-from loopwatch.embedded.broker import free_port
+from loopwatch.core.embedded.broker import free_port
 
 SECRET = "S3cr3tPw-in-url"
 CLOSED = free_port()  # nothing listens: a refused connection

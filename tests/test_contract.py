@@ -8,9 +8,9 @@ import orjson
 import pytest
 from pydantic import ValidationError
 
-from ingest.events import LlmCall, ToolCall, llm_usage_from_exclusive, parse_event
-from ingest.jsonschema import checked_in, render
-from ingest.wire import decode_message, encode_envelope, encode_event
+from loopwatch.ingest.events import LlmCall, ToolCall, llm_usage_from_exclusive, parse_event
+from loopwatch.ingest.jsonschema import checked_in, render
+from loopwatch.ingest.wire import decode_message, encode_envelope, encode_event
 
 
 def test_checked_in_json_schema_matches_the_models():

@@ -2,7 +2,7 @@
 generated Grafana models, the exported files, and the deploy through Grafana's API.
 
 Panel SQL runs in the in-process chdb store (``local_store``) on a scripted fleet
-written through the real pipeline (:mod:`dashboards.sample`), after the plugin's
+written through the real pipeline (:mod:`loopwatch.dashboards.sample`), after the plugin's
 macros are expanded exactly as Grafana's ClickHouse plugin expands them.
 """
 
@@ -19,10 +19,10 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from dashboards.cli import register
-from dashboards.deploy import DeployError, deploy
-from dashboards.grafana import DATASOURCE_UID, PLUGIN_ID, dashboard_model
-from dashboards.macros import (
+from loopwatch.dashboards.cli import register
+from loopwatch.dashboards.deploy import DeployError, deploy
+from loopwatch.dashboards.grafana import DATASOURCE_UID, PLUGIN_ID, dashboard_model
+from loopwatch.dashboards.macros import (
     ALL,
     MacroError,
     QueryWindow,
@@ -34,9 +34,9 @@ from dashboards.macros import (
     referenced_variables,
     render_literal,
 )
-from dashboards.panels import ANNOTATION, PANELS, TIERS, VARIABLES, panels_of
-from dashboards.provisioning import exported_files
-from dashboards.sample import FLEET, ensure_seeded
+from loopwatch.dashboards.panels import ANNOTATION, PANELS, TIERS, VARIABLES, panels_of
+from loopwatch.dashboards.provisioning import exported_files
+from loopwatch.dashboards.sample import FLEET, ensure_seeded
 from loopwatch.store.clickhouse import run_query
 
 ROOT = Path(__file__).resolve().parent.parent

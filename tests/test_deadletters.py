@@ -12,8 +12,8 @@ import orjson
 import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-from ingest.events import Step
-from ingest.wire import encode_event
+from loopwatch.ingest.events import Step
+from loopwatch.ingest.wire import encode_event
 from tests.conftest import scalar, wait_for
 
 TOPIC = "loopwatch.events"

@@ -22,9 +22,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from ingest.announce import BrokerAnnouncement
-from ingest.sdk import Emitter
-from loopwatch.embedded.broker import EmbeddedBroker
+from loopwatch.core.embedded.broker import EmbeddedBroker
+from loopwatch.ingest.announce import BrokerAnnouncement
+from loopwatch.ingest.sdk import Emitter
 from loopwatch.upprocess import UpProcess
 from tests.conftest import PIPELINE_ENV, scalar, wait_for
 from tests.delivery_agent import EVENTS_PER_RUN, emit_run, outcome, run_id

@@ -24,7 +24,7 @@ from clickhouse_connect.driver.client import Client
 from typer.testing import CliRunner
 
 from loopwatch.cli import app
-from loopwatch.config import Settings
+from loopwatch.core.config import Settings
 from loopwatch.store.clickhouse import statements
 from loopwatch.store.cluster import (
     RETENTION,

@@ -8,10 +8,10 @@ import re
 from pathlib import Path
 from typing import get_args
 
-from ingest.events import OUTCOMES, TerminalReason
-from ingest.otlp.server import TRACES_PATH
-from ingest.otlp.settings import OtlpSettings
-from processors.runs import _REASON_OUTCOME
+from loopwatch.ingest.events import OUTCOMES, TerminalReason
+from loopwatch.ingest.otlp.server import TRACES_PATH
+from loopwatch.ingest.otlp.settings import OtlpSettings
+from loopwatch.processors.runs import _REASON_OUTCOME
 
 ROOT = Path(__file__).resolve().parent.parent
 

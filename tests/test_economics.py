@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from dashboards.web.api import BadRequest, WebApi
-from ingest.capture import build_capture_message
-from loopwatch.config import Settings
-from loopwatch.replay.economics import (
+from loopwatch.core.config import Settings
+from loopwatch.dashboards.web.api import BadRequest, WebApi
+from loopwatch.ingest.capture import build_capture_message
+from loopwatch.processors.replay.economics import (
     GIB,
     Rates,
     agent_economics,

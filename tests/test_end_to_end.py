@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ingest.sdk import Emitter
+from loopwatch.ingest.sdk import Emitter
 from tests import scripted
 from tests.conftest import scalar, wait_for
 
@@ -90,7 +90,7 @@ def test_late_wrong_label_revises_stored_ratio(fleet, reader, emitter: Emitter):
     labelled = expected.run_ids["success"][1]
     closed_minute = scalar(reader, "SELECT toStartOfMinute(closed_ts) FROM runs FINAL "
                                    "WHERE run_id = {r:String}", r=labelled)
-    from ingest.events import Label
+    from loopwatch.ingest.events import Label
 
     emitter.emit(Label(run_id=labelled, agent=agent, verdict="wrong",
                        label_source="post_hoc_check"))

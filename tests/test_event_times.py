@@ -5,7 +5,7 @@ the reason (issue 24 §4: 2250 wrapped to 1978 in the TTL's ``toDateTime`` and v
 1970 expired at once).
 
 Real chdb (the session's in-process store, a database per test), the real pipeline
-(:class:`processors.pipeline.Pipeline`, both decoders) and the real sink; Kafka adds
+(:class:`loopwatch.processors.pipeline.Pipeline`, both decoders) and the real sink; Kafka adds
 nothing to what a time becomes, so messages are handed to the pipeline directly.
 """
 
@@ -19,12 +19,12 @@ import orjson
 import pytest
 from clickhouse_connect.driver.client import Client
 
-from ingest.events import TS_MAX, TS_MIN, TS_RANGE
-from loopwatch.config import Settings
-from loopwatch.reprocess import MemoryRunStore
+from loopwatch.core.config import Settings
+from loopwatch.ingest.events import TS_MAX, TS_MIN, TS_RANGE
+from loopwatch.processors.jobs.reprocess import MemoryRunStore
+from loopwatch.processors.pipeline import Pipeline, RawMessage
 from loopwatch.store.clickhouse import migrate
-from processors.pipeline import Pipeline, RawMessage
-from processors.sink import ClickHouseSink
+from loopwatch.store.sink import ClickHouseSink
 from tests.conftest import wait_for
 
 #: (sent, as ClickHouse prints it back, its minute)

@@ -1,7 +1,7 @@
 """Both decoders' events are stored alike by ``events_in``'s view (migration 006).
 
 A message the msgspec mirror decodes carries the JSON msgspec re-encoded; one pydantic
-validated carries :func:`processors.rows.validated_events_json`. Here the same events
+validated carries :func:`loopwatch.processors.rows.validated_events_json`. Here the same events
 take each route into the real chdb store and the stored rows are compared column by
 column, and against the models (``payload`` as JSON: ClickHouse writes a float that
 has no fraction as ``0`` where orjson writes ``0.0``).
@@ -19,14 +19,19 @@ import orjson
 import pytest
 from clickhouse_connect.driver.exceptions import DatabaseError
 
-from bench.pipeline import RENAMED_BY_CHDB, generate_events
-from ingest.events import EventBase, LlmCall, RunStart, Step, ToolCall
-from ingest.wire import _decode_slow, decode_message, encode_envelope
-from loopwatch.config import Settings
-from loopwatch.reprocess import MemoryRunStore
-from processors.pipeline import Pipeline, RawMessage
-from processors.rows import EVENT_COLUMNS, EVENTS_IN_TABLE, events_in_row, validated_events_json
-from processors.sink import ClickHouseSink, RowBatch
+from loopwatch.bench.pipeline import RENAMED_BY_CHDB, generate_events
+from loopwatch.core.config import Settings
+from loopwatch.ingest.events import EventBase, LlmCall, RunStart, Step, ToolCall
+from loopwatch.ingest.wire import _decode_slow, decode_message, encode_envelope
+from loopwatch.processors.jobs.reprocess import MemoryRunStore
+from loopwatch.processors.pipeline import Pipeline, RawMessage
+from loopwatch.processors.rows import (
+    EVENT_COLUMNS,
+    EVENTS_IN_TABLE,
+    events_in_row,
+    validated_events_json,
+)
+from loopwatch.store.sink import ClickHouseSink, RowBatch
 
 T0 = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
 PARTITION, OFFSET = 3, 41

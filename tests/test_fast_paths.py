@@ -17,21 +17,21 @@ from datetime import UTC, datetime, timedelta
 
 import orjson
 
-from ingest.events import LlmCall, RunStart, Step
-from ingest.structs import mirror_message
-from ingest.wire import _decode_in_one_call, _decode_slow, decode_message, encode_envelope
-from loopwatch.config import Settings
-from loopwatch.reprocess import MemoryRunStore
-from processors.pipeline import Pipeline, RawMessage
-from processors.rows import EVENT_COLUMNS, event_json
-from processors.runs import (
+from loopwatch.core.config import Settings
+from loopwatch.ingest.events import LlmCall, RunStart, Step
+from loopwatch.ingest.structs import mirror_message
+from loopwatch.ingest.wire import _decode_in_one_call, _decode_slow, decode_message, encode_envelope
+from loopwatch.processors.jobs.reprocess import MemoryRunStore
+from loopwatch.processors.pipeline import Pipeline, RawMessage
+from loopwatch.processors.rows import EVENT_COLUMNS, event_json
+from loopwatch.processors.runs import (
     SEEN_EVENT_IDS,
     SEEN_PACKED_IDS,
     RunState,
     remember,
     seen_ids,
 )
-from processors.sink import ClickHouseSink
+from loopwatch.store.sink import ClickHouseSink
 
 T0 = datetime(2026, 11, 30, 10, 0, tzinfo=UTC)
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from kafka import KafkaConsumer, TopicPartition
 
-from ingest.sdk import Emitter, RunContext
-from loopwatch.config import Settings, load_settings
-from loopwatch.embedded.broker import EmbeddedBroker
+from loopwatch.core.config import Settings, load_settings
+from loopwatch.core.embedded.broker import EmbeddedBroker
+from loopwatch.ingest.sdk import Emitter, RunContext
 from loopwatch.upprocess import UpProcess
 from tests.conftest import PIPELINE_ENV, scalar, stored_events, wait_for, wait_stored
 

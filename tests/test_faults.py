@@ -8,9 +8,9 @@ import time
 
 from kafka import KafkaConsumer, TopicPartition
 
-from ingest.sdk import Emitter, RunContext
-from loopwatch.config import Settings
-from loopwatch.embedded.broker import EmbeddedBroker
+from loopwatch.core.config import Settings
+from loopwatch.core.embedded.broker import EmbeddedBroker
+from loopwatch.ingest.sdk import Emitter, RunContext
 from loopwatch.upprocess import UpProcess
 from tests.conftest import scalar, stored_events, wait_for, wait_stored
 from tests.test_capture import reassemble, wait_decided

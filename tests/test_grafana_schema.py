@@ -10,9 +10,9 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from dashboards.panels import TIERS
-from dashboards.provisioning import exported_files
 from loopwatch.cli import app
+from loopwatch.dashboards.panels import TIERS
+from loopwatch.dashboards.provisioning import exported_files
 
 
 def _web_variable(model: dict) -> dict:

@@ -27,14 +27,14 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.trace.export import SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from ingest.events import EventBase
-from ingest.otlp.decode import DecodedRequest, PayloadError, decode_json, decode_protobuf
-from ingest.otlp.mapping import map_spans
-from ingest.otlp.server import OtlpReceiver
-from ingest.otlp.settings import OtlpSettings
-from ingest.wire import exact_json
-from loopwatch.config import Settings
-from loopwatch.embedded.broker import free_port
+from loopwatch.core.config import Settings
+from loopwatch.core.embedded.broker import free_port
+from loopwatch.ingest.events import EventBase
+from loopwatch.ingest.otlp.decode import DecodedRequest, PayloadError, decode_json, decode_protobuf
+from loopwatch.ingest.otlp.mapping import map_spans
+from loopwatch.ingest.otlp.server import OtlpReceiver
+from loopwatch.ingest.otlp.settings import OtlpSettings
+from loopwatch.ingest.wire import exact_json
 from tests.conftest import wait_for
 from tests.test_hostile_pipeline import ODD_STRINGS, json_values
 from tests.test_otlp import RUN_SQL, _agent_spans, _otlp_json, _wait_closed, post

@@ -1,4 +1,4 @@
-"""Hostile input at the processors' engine-free core (``processors.pipeline.Pipeline``):
+"""Hostile input at the processors' engine-free core (``loopwatch.processors.pipeline.Pipeline``):
 messages in, run state, rows and dead letters out; in-process, no broker.
 
 Thrown at it: random bytes, truncated and malformed JSON, wrong types in every field,
@@ -33,16 +33,16 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from ingest.events import TS_RANGE
-from ingest.wire import decode_message
-from loopwatch.config import Settings
-from loopwatch.reprocess import MemoryRunStore
+from loopwatch.core.config import Settings
+from loopwatch.ingest.events import TS_RANGE
+from loopwatch.ingest.wire import decode_message
+from loopwatch.processors.deadletter import payload_limit
+from loopwatch.processors.jobs.reprocess import MemoryRunStore
+from loopwatch.processors.pipeline import Pipeline, RawMessage, Work
+from loopwatch.processors.pricing import PricedCall, PriceTable
+from loopwatch.processors.runs import RunState
 from loopwatch.store.cluster import render_cluster_ddl
-from processors.deadletter import payload_limit
-from processors.pipeline import Pipeline, RawMessage, Work
-from processors.pricing import PricedCall, PriceTable
-from processors.runs import RunState
-from processors.sink import ClickHouseSink, RowBatch, encode_rows
+from loopwatch.store.sink import ClickHouseSink, RowBatch, encode_rows
 from tests.conftest import raw_events
 
 MAX_MESSAGE_BYTES = 20_000
@@ -292,7 +292,7 @@ def hostile_db(local_store: tuple[Settings, Client]) -> Client:
 
 
 def insert_all(client: Client, batch: RowBatch) -> int:
-    """Insert as :class:`processors.sink.ClickHouseSink` does (one JSON insert per table);
+    """Insert as :class:`loopwatch.store.sink.ClickHouseSink` does (one JSON insert per table);
     a refused batch is narrowed to the first row ClickHouse refuses, for the message."""
     sink = ClickHouseSink(client)
     total = 0
@@ -733,7 +733,7 @@ def test_a_10_mb_capture_message_is_one_dead_letter_cut_to_the_bound():
     """The captures topic's refusals go through the same bound."""
     from datetime import UTC, datetime
 
-    from processors.capture import CaptureStage
+    from loopwatch.processors.capture import CaptureStage
 
     limit = 50_000
     big = b'{"capture_version": 1, "pad": "' + b"x" * 10_485_760 + b'"}'

@@ -1,4 +1,4 @@
-"""Hostile input at the SDK (``ingest.sdk``) and, end to end, garbage produced raw to the
+"""Hostile input at the SDK (``loopwatch.ingest.sdk``) and, end to end, garbage produced raw to the
 events topic: through the session broker and the shared pipeline into ClickHouse.
 
 Inputs the processors' core is tested with in-process (test_hostile_pipeline.py:
@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from kafka import KafkaProducer
 from pydantic import ValidationError
 
-from ingest.events import Step
-from ingest.sdk import Emitter
+from loopwatch.ingest.events import Step
+from loopwatch.ingest.sdk import Emitter
 from tests.conftest import scalar, stored_events, wait_for, wait_stored
 from tests.test_hostile_pipeline import ODD_STRINGS, json_values, nested
 

@@ -14,10 +14,10 @@ from typing import Any
 import orjson
 import pytest
 
-from ingest.events import canonical_args_hash
-from ingest.importers.jsonl import read_jsonl
-from ingest.importers.records import Bad, Good, file_digest, stable_id
-from ingest.importers.transcripts import (
+from loopwatch.ingest.events import canonical_args_hash
+from loopwatch.ingest.importers.jsonl import read_jsonl
+from loopwatch.ingest.importers.records import Bad, Good, file_digest, stable_id
+from loopwatch.ingest.importers.transcripts import (
     TranscriptOptions,
     match_results,
     read_transcripts,
@@ -181,7 +181,7 @@ def test_jsonl_records_are_validated_like_the_processors_do(tmp_path: Path):
 
 def ingest(*args: str, env: dict[str, str], timeout: float = 300
            ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ingest.cli", "ingest", *args],
+    return subprocess.run([sys.executable, "-m", "loopwatch.ingest.cli", "ingest", *args],
                           env={**os.environ, **env}, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -251,7 +251,7 @@ def test_ingest_without_loopwatch_up_starts_one_for_the_import(tmp_path):
     env.update(PIPELINE_ENV)
     env["LOOPWATCH_DATA_DIR"] = str(tmp_path / "data")
     result = subprocess.run(
-        [sys.executable, "-m", "ingest.cli", "ingest", "transcript", str(path)],
+        [sys.executable, "-m", "loopwatch.ingest.cli", "ingest", "transcript", str(path)],
         env=env, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "starting one for the import" in result.stderr

@@ -1,4 +1,5 @@
-"""The README's investigation queries, run on the scripted fleet with exact results."""
+"""The investigation queries (docs/investigations.md), run on the scripted fleet with exact
+results."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from loopwatch.investigations import investigations
 from tests import scripted
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "investigations.md"
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +23,8 @@ def run(reader, name: str, **parameters):
     return reader.query(investigations()[name].sql, parameters).records()
 
 
-def test_readme_shows_every_investigation_verbatim():
-    text = README.read_text()
+def test_the_page_shows_every_investigation_verbatim():
+    text = PAGE.read_text()
     assert len(investigations()) >= 5
     for investigation in investigations().values():
         assert investigation.sql in text, investigation.name

@@ -20,9 +20,9 @@ from aiokafka import AIOKafkaProducer
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
 
-from ingest.sdk import partition_for
-from processors.deadletter import DeadLetterRecord, bounded
-from processors.kafka_writes import KafkaWrites
+from loopwatch.ingest.sdk import partition_for
+from loopwatch.processors.deadletter import DeadLetterRecord, bounded
+from loopwatch.processors.kafka_writes import KafkaWrites
 from tests.conftest import PIPELINE_ENV, wait_for
 
 PRODUCER_LIMIT = 64 * 1024

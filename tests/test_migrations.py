@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from clickhouse_connect.driver.client import Client
 
-from loopwatch.config import Settings
+from loopwatch.core.config import Settings
 from loopwatch.store.clickhouse import connect, migrate
 from loopwatch.store.cluster import render_cluster_ddl
 from loopwatch.store.retention import RETENTION, current_ttls

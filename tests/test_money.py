@@ -1,4 +1,4 @@
-"""One rounding rule for money (issue 26, item 7): the CLI (loopwatch/money.py) and the
+"""One rounding rule for money (issue 26, item 7): the CLI (loopwatch/core/money.py) and the
 web view (dashboards/web/static/money.js, run here by node, the same file the page
 loads) give identical strings over a table of values, half-way cases first; and the
 CLI's own outputs go through it."""
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from loopwatch.core.money import usd
 from loopwatch.demo import _fmt
-from loopwatch.money import usd
-from loopwatch.replay.cli import step_title
-from loopwatch.replay.recording import Step
+from loopwatch.processors.replay.cli import step_title
+from loopwatch.processors.replay.recording import Step
 
 MONEY_JS = Path(__file__).resolve().parent.parent / "dashboards/web/static/money.js"
 

@@ -38,16 +38,16 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Status, StatusCode
 
-from ingest.capture import Blob, PartRef, assemble_part, part_hash
-from ingest.events import canonical_args_hash
-from ingest.otlp.decode import PayloadError, Span, SpanEvent, decode_json, decode_protobuf
-from ingest.otlp.mapping import map_spans
-from ingest.otlp.server import OtlpReceiver
-from ingest.otlp.settings import OtlpSettings
-from ingest.sdk import Emitter
-from ingest.wire import decode_message
-from loopwatch.config import Settings
-from loopwatch.embedded.broker import free_port
+from loopwatch.core.config import Settings
+from loopwatch.core.embedded.broker import free_port
+from loopwatch.ingest.capture import Blob, PartRef, assemble_part, part_hash
+from loopwatch.ingest.events import canonical_args_hash
+from loopwatch.ingest.otlp.decode import PayloadError, Span, SpanEvent, decode_json, decode_protobuf
+from loopwatch.ingest.otlp.mapping import map_spans
+from loopwatch.ingest.otlp.server import OtlpReceiver
+from loopwatch.ingest.otlp.settings import OtlpSettings
+from loopwatch.ingest.sdk import Emitter
+from loopwatch.ingest.wire import decode_message
 from tests.conftest import PIPELINE_ENV, wait_for
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"

@@ -30,13 +30,13 @@ from opentelemetry.sdk.trace.export import (
 )
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from dashboards.macros import expand
-from dashboards.panels import PANELS
-from ingest.otlp.mapping import map_spans
-from ingest.otlp.server import OtlpReceiver
-from ingest.otlp.settings import OtlpSettings
-from loopwatch.config import Settings
-from loopwatch.embedded.broker import free_port
+from loopwatch.core.config import Settings
+from loopwatch.core.embedded.broker import free_port
+from loopwatch.dashboards.macros import expand
+from loopwatch.dashboards.panels import PANELS
+from loopwatch.ingest.otlp.mapping import map_spans
+from loopwatch.ingest.otlp.server import OtlpReceiver
+from loopwatch.ingest.otlp.settings import OtlpSettings
 from tests.conftest import PIPELINE_ENV, wait_for
 from tests.test_dashboards import window_for
 from tests.test_otlp import AGENT_SPAN, CHAT2_SPAN, CHAT_SPAN, span

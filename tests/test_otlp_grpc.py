@@ -42,11 +42,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 
-from ingest.otlp.grpc_server import EXPORT_METHOD, RETRY_INFO_KEY
-from ingest.otlp.server import OtlpReceiver
-from ingest.otlp.settings import OtlpSettings
-from loopwatch.config import Settings
-from loopwatch.embedded.broker import free_port
+from loopwatch.core.config import Settings
+from loopwatch.core.embedded.broker import free_port
+from loopwatch.ingest.otlp.grpc_server import EXPORT_METHOD, RETRY_INFO_KEY
+from loopwatch.ingest.otlp.server import OtlpReceiver
+from loopwatch.ingest.otlp.settings import OtlpSettings
 from tests.conftest import PIPELINE_ENV, wait_for
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from detectors.playbooks import load_playbooks
 from loopwatch.cli import app
+from loopwatch.detectors.playbooks import load_playbooks
 
 ENV = {"COLUMNS": "80", "LOOPWATCH_CLICKHOUSE_URL": None, "LOOPWATCH_KAFKA_BOOTSTRAP": None}
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from detectors.playbooks import (
+from loopwatch.detectors.playbooks import (
     PARAMETERS,
     SEVERITIES,
     Playbook,
@@ -26,13 +26,22 @@ from detectors.playbooks import (
     parse_playbook,
     render_markdown,
 )
-from detectors.rules import load_rules
-from ingest.events import Annotation, EventBase, Label, LlmCall, RunEnd, RunStart, Step, ToolCall
-from ingest.wire import encode_envelope
-from loopwatch.reprocess import MemoryRunStore
+from loopwatch.detectors.rules import load_rules
+from loopwatch.ingest.events import (
+    Annotation,
+    EventBase,
+    Label,
+    LlmCall,
+    RunEnd,
+    RunStart,
+    Step,
+    ToolCall,
+)
+from loopwatch.ingest.wire import encode_envelope
+from loopwatch.processors.jobs.reprocess import MemoryRunStore
+from loopwatch.processors.pipeline import Pipeline, RawMessage
 from loopwatch.store.clickhouse import run_query
-from processors.pipeline import Pipeline, RawMessage
-from processors.sink import ClickHouseSink
+from loopwatch.store.sink import ClickHouseSink
 
 RULES = load_rules()
 ALERT_RULES = frozenset(RULES)

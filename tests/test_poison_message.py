@@ -21,11 +21,11 @@ import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient
 
-from ingest.events import RunEnd, RunStart, Step
-from ingest.sdk import Emitter
-from loopwatch.config import Settings
+from loopwatch.core.config import Settings
+from loopwatch.ingest.events import RunEnd, RunStart, Step
+from loopwatch.ingest.sdk import Emitter
+from loopwatch.processors.deadletter import payload_limit
 from loopwatch.upprocess import UpProcess
-from processors.deadletter import payload_limit
 from tests.conftest import PIPELINE_ENV, scalar, wait_for
 
 pytestmark = pytest.mark.stack  # starts brokers / `loopwatch up` itself

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from kafka import KafkaConsumer, TopicPartition
 
-from ingest.sdk import Emitter
-from loopwatch.config import Settings
+from loopwatch.core.config import Settings
+from loopwatch.ingest.sdk import Emitter
 from loopwatch.upprocess import UpProcess
 from tests.conftest import scalar, wait_for
 from tests.test_broker_lifecycle import ENV, EVENTS_PER_RUN, assert_runs_exact, stored, stream

@@ -16,9 +16,9 @@ import orjson
 import pytest
 from typer.testing import CliRunner
 
-from ingest.capture import TRUNCATION_MARK
 from loopwatch.cli import app
-from loopwatch.replay import (
+from loopwatch.ingest.capture import TRUNCATION_MARK
+from loopwatch.processors.replay import (
     RecordSession,
     ReplayDivergence,
     ReplayExhausted,
@@ -27,8 +27,8 @@ from loopwatch.replay import (
     diff_recordings,
     load_recording,
 )
-from loopwatch.replay.cli import render_body
-from loopwatch.replay.diff import diff_json
+from loopwatch.processors.replay.cli import render_body
+from loopwatch.processors.replay.diff import diff_json
 from loopwatch.store.reader import DirectReader
 from tests.captured import Call, llm, tool, write_run
 from tests.conftest import ServiceLikeReader
@@ -361,7 +361,7 @@ def test_a_run_sent_through_the_sdk_replays_exactly_as_sent(broker, pipeline, re
     """The capture half and the replay half together: a failing run emitted with its
     bodies comes back from ``loopwatch replay --json`` (through the running ``up``)
     equal to what the agent sent, once the decider has kept it."""
-    from ingest.sdk import Emitter
+    from loopwatch.ingest.sdk import Emitter
     from tests.captured import MODEL
     from tests.conftest import wait_for
 
@@ -405,8 +405,8 @@ def test_a_run_sent_through_the_sdk_replays_exactly_as_sent(broker, pipeline, re
 def test_alert_evidence_links_to_the_replay_of_every_run_it_names(store, kept_run):
     from datetime import UTC, datetime
 
-    from detectors.alerts import REPLAY_EVIDENCE, Alert
-    from detectors.engine import DetectorEngine, Policy
+    from loopwatch.detectors.alerts import REPLAY_EVIDENCE, Alert
+    from loopwatch.detectors.engine import DetectorEngine, Policy
 
     settings, client, reader = store
     run_id, agent, calls = kept_run

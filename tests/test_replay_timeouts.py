@@ -15,15 +15,15 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from typer.testing import CliRunner
 
-from dashboards.web.api import WebApi
-from ingest.events import EventBase, LlmCall, RunEnd, RunStart, ToolCall
-from ingest.wire import encode_envelope
 from loopwatch.cli import app
-from loopwatch.replay import load_recording
-from loopwatch.reprocess import MemoryRunStore
+from loopwatch.dashboards.web.api import WebApi
+from loopwatch.ingest.events import EventBase, LlmCall, RunEnd, RunStart, ToolCall
+from loopwatch.ingest.wire import encode_envelope
+from loopwatch.processors.jobs.reprocess import MemoryRunStore
+from loopwatch.processors.pipeline import Pipeline, RawMessage
+from loopwatch.processors.replay import load_recording
 from loopwatch.store.reader import DirectReader
-from processors.pipeline import Pipeline, RawMessage
-from processors.sink import ClickHouseSink
+from loopwatch.store.sink import ClickHouseSink
 
 
 @pytest.fixture(scope="module")

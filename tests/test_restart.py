@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ingest.sdk import Emitter, RunContext
+from loopwatch.ingest.sdk import Emitter, RunContext
 from loopwatch.upprocess import UpProcess
 from tests.conftest import PIPELINE_ENV, scalar, wait_for
 

@@ -15,7 +15,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from clickhouse_connect.driver.client import Client
 
-from loopwatch.config import Settings
+from loopwatch.core.config import Settings
 from loopwatch.store.clickhouse import migrate
 from loopwatch.store.retention import (
     CAPTURE_TABLES,

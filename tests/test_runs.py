@@ -6,8 +6,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from ingest.events import EventBase, Label, LlmCall, RunEnd, RunStart, Step, ToolCall
-from processors.runs import RunState, abandon_if_expired, apply_event
+from loopwatch.ingest.events import EventBase, Label, LlmCall, RunEnd, RunStart, Step, ToolCall
+from loopwatch.processors.runs import RunState, abandon_if_expired, apply_event
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 
@@ -120,9 +120,9 @@ def test_model_and_dimensions_come_from_run_start():
 
 
 def test_abandonment_ttl_follows_task_type_then_the_declared_time_cap():
-    from loopwatch.config import Settings
-    from loopwatch.reprocess import MemoryRunStore
-    from processors.pipeline import Pipeline
+    from loopwatch.core.config import Settings
+    from loopwatch.processors.jobs.reprocess import MemoryRunStore
+    from loopwatch.processors.pipeline import Pipeline
 
     settings = Settings(abandon_ttl_s=100, abandon_ttl_by_task_type={"batch": 7})
     pipeline = Pipeline(settings, MemoryRunStore())
@@ -137,7 +137,7 @@ def test_a_price_table_with_a_price_that_is_no_number_is_refused_naming_it(tmp_p
     import json
     from pathlib import Path
 
-    from processors.pricing import PriceTable
+    from loopwatch.processors.pricing import PriceTable
 
     shipped = json.loads((Path(__file__).parent.parent / "processors/prices.json").read_text())
     for model, field, bad in (("gpt-4o", "input", "2.5"), ("default", "output", None)):
@@ -161,17 +161,17 @@ def label_pipeline(**settings: float):
     """A pipeline on a memory run store with a fixed wall clock an hour after T0."""
     from pathlib import Path
 
-    from loopwatch.config import Settings
-    from loopwatch.reprocess import MemoryRunStore
-    from processors.pipeline import Pipeline
+    from loopwatch.core.config import Settings
+    from loopwatch.processors.jobs.reprocess import MemoryRunStore
+    from loopwatch.processors.pipeline import Pipeline
 
     config = Settings(data_dir=Path("/nonexistent-labels"), **settings)
     return Pipeline(config, MemoryRunStore(), clock=lambda: NOW_S)
 
 
 def messages(*events: EventBase):
-    from ingest.wire import encode_event
-    from processors.pipeline import RawMessage
+    from loopwatch.ingest.wire import encode_event
+    from loopwatch.processors.pipeline import RawMessage
 
     return [RawMessage("loopwatch.events", 0, offset, encode_event(event))
             for offset, event in enumerate(events)]
@@ -233,7 +233,7 @@ def test_a_label_for_a_run_the_store_knows_is_applied_to_it_not_kept_waiting():
 
 
 def test_waiting_labels_rebuilt_from_the_store_are_applied_when_the_run_comes():
-    from processors.runs import pending_label_state
+    from loopwatch.processors.runs import pending_label_state
 
     label = ev(Label, 30, verdict="wrong", label_source="human")
     rebuilt = pending_label_state("r", 0, [{

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from detectors.rules import load_rules
-from loopwatch.config import Settings
+from loopwatch.core.config import Settings
+from loopwatch.detectors.rules import load_rules
 from loopwatch.scenarios import load_scenarios
 from loopwatch.scenarios.live import run_live
 from loopwatch.scenarios.scorecard import score

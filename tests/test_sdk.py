@@ -13,14 +13,14 @@ import pytest
 from kafka.admin import KafkaAdminClient, NewTopic
 from pydantic import ValidationError
 
-from bench.pipeline import read_topic
-from ingest.capture import assemble_part, blob_hash, part_hash
-from ingest.events import Step
-from ingest.handoff import Handoff
-from ingest.sdk import Emitter, ToolTimeout, partition_for
-from ingest.wire import decode_message
-from loopwatch.embedded.broker import EmbeddedBroker, free_port
-from processors.capture import parse_capture
+from loopwatch.bench.pipeline import read_topic
+from loopwatch.core.embedded.broker import EmbeddedBroker, free_port
+from loopwatch.ingest.capture import assemble_part, blob_hash, part_hash
+from loopwatch.ingest.events import Step
+from loopwatch.ingest.handoff import Handoff
+from loopwatch.ingest.sdk import Emitter, ToolTimeout, partition_for
+from loopwatch.ingest.wire import decode_message
+from loopwatch.processors.capture import parse_capture
 
 
 def create_topic(bootstrap: str, name: str, partitions: int = 3) -> None:

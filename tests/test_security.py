@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from dashboards.web.server import COOKIE, make_server, serve_in_thread
-from detectors.notify import DeliveryError, WebhookNotifier
-from detectors.outbox import Outbox
-from ingest.otlp.settings import OtlpSettings
-from loopwatch.config import Settings
-from loopwatch.embedded.broker import free_port
-from loopwatch.masking import mask_secrets, safe_url, secret_values
+from loopwatch.core.config import Settings
+from loopwatch.core.embedded.broker import free_port
+from loopwatch.core.masking import mask_secrets, safe_url, secret_values
+from loopwatch.dashboards.web.server import COOKIE, make_server, serve_in_thread
+from loopwatch.detectors.notify import DeliveryError, WebhookNotifier
+from loopwatch.detectors.outbox import Outbox
+from loopwatch.ingest.otlp.settings import OtlpSettings
 from loopwatch.store.clickhouse import connect
 from loopwatch.store.reader import DirectReader, QueryError
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from ingest.sdk import Emitter, RunContext
-from loopwatch.processes import terminate
+from loopwatch.core.processes import terminate
+from loopwatch.ingest.sdk import Emitter, RunContext
 from loopwatch.upprocess import UpProcess
 from tests.conftest import PIPELINE_ENV, scalar, wait_for
 

@@ -26,10 +26,10 @@ import httpx
 import orjson
 import pytest
 
-from detectors.outbox import Outbox
-from ingest.privatefs import mode
-from ingest.spool import DiskSpool
-from loopwatch.config import Settings
+from loopwatch.core.config import Settings
+from loopwatch.detectors.outbox import Outbox
+from loopwatch.ingest.privatefs import mode
+from loopwatch.ingest.spool import DiskSpool
 from loopwatch.runtime import _insert_action
 from loopwatch.store.clickhouse import connect, run_query
 from loopwatch.store.reader import QueryError, ServiceReader, ServiceUnreachable

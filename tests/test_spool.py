@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from ingest.events import Step
-from ingest.sdk import Emitter
-from ingest.spool import DiskSpool, SpoolFull, SpoolLocked, open_spool, read_lines
-from loopwatch.embedded.broker import free_port
+from loopwatch.core.embedded.broker import free_port
+from loopwatch.ingest.events import Step
+from loopwatch.ingest.sdk import Emitter
+from loopwatch.ingest.spool import DiskSpool, SpoolFull, SpoolLocked, open_spool, read_lines
 
 
 def lines(count: int, start: int = 0) -> list[bytes]:
@@ -93,7 +93,7 @@ def test_a_writer_killed_mid_stream_leaves_only_whole_records_but_the_last(tmp_p
     folder = tmp_path / "s"
     script = (
         "import sys; sys.path.insert(0, sys.argv[2])\n"
-        "from pathlib import Path\nfrom ingest.spool import DiskSpool\n"
+        "from pathlib import Path\nfrom loopwatch.ingest.spool import DiskSpool\n"
         "spool = DiskSpool(Path(sys.argv[1]), 1 << 40)\n"
         "n = 0\nprint('ready', flush=True)\n"
         "while True:\n"
@@ -146,7 +146,7 @@ def test_two_live_spools_never_share_a_folder(tmp_path: Path):
     holder = subprocess.Popen(
         [sys.executable, "-c",
          "import sys; sys.path.insert(0, sys.argv[2])\nfrom pathlib import Path\n"
-         "from ingest.spool import DiskSpool\nDiskSpool(Path(sys.argv[1]), 1024)\n"
+         "from loopwatch.ingest.spool import DiskSpool\nDiskSpool(Path(sys.argv[1]), 1024)\n"
          "print('held', flush=True)\nsys.stdin.read()", str(tmp_path / "emitter"), os.getcwd()],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 from clickhouse_connect.driver.client import Client
 
-from loopwatch.config import Settings
-from loopwatch.deadletters import LIST_SQL
+from loopwatch.core.config import Settings
+from loopwatch.processors.jobs.deadletters import LIST_SQL
 from loopwatch.store.clickhouse import connect
 from loopwatch.store.reader import DirectReader, QueryError, ServiceReader
 from loopwatch.store.service import StoreService
@@ -257,13 +257,13 @@ def test_every_hostile_statement_is_refused_and_nothing_leaks_or_is_written(
 
 def internal_statements() -> Iterator[tuple[str, str]]:
     """Every statement loopwatch itself sends through a user reader."""
-    from dashboards.macros import QueryWindow, expand
-    from dashboards.panels import ANNOTATION, PANELS, VARIABLES
-    from detectors.playbooks import load_playbooks
-    from ingest.importers import delivery
     from loopwatch import cli, demo, report, runtime
+    from loopwatch.dashboards.macros import QueryWindow, expand
+    from loopwatch.dashboards.panels import ANNOTATION, PANELS, VARIABLES
+    from loopwatch.detectors.playbooks import load_playbooks
+    from loopwatch.ingest.importers import delivery
     from loopwatch.investigations import investigations
-    from loopwatch.replay import economics, recording
+    from loopwatch.processors.replay import economics, recording
     from loopwatch.scenarios import live
 
     for name, investigation in investigations().items():

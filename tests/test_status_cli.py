@@ -24,7 +24,7 @@ def test_status_without_an_up_is_one_line_and_exit_1(tmp_path):
 @pytest.mark.stack  # starts its own `loopwatch up`
 def test_status_names_the_running_ups_parts_and_counts(tmp_path):
     """A `loopwatch up` of its own (own embedded broker), with one scripted run."""
-    from ingest.sdk import Emitter
+    from loopwatch.ingest.sdk import Emitter
     from loopwatch.upprocess import UpProcess
 
     data_dir = tmp_path / "data"

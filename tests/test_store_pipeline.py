@@ -14,18 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from ingest.events import EventBase, LlmCall, RunEnd, RunStart
-from ingest.wire import encode_envelope
-from loopwatch.config import Settings
-from loopwatch.reprocess import MemoryRunStore, reprocess_with
+from loopwatch.core.config import Settings
+from loopwatch.ingest.events import EventBase, LlmCall, RunEnd, RunStart
+from loopwatch.ingest.wire import encode_envelope
+from loopwatch.processors.jobs.reprocess import MemoryRunStore, reprocess_with
+from loopwatch.processors.pipeline import Pipeline, RawMessage
+from loopwatch.processors.runs import seen_ids
 from loopwatch.runtime import _insert_action, _store_callbacks
 from loopwatch.store.clickhouse import connect, migrate, run_query
 from loopwatch.store.reader import DirectReader, QueryError, ServiceReader
 from loopwatch.store.remote_sink import ServiceSink
 from loopwatch.store.service import StoreService
-from processors.pipeline import Pipeline, RawMessage
-from processors.runs import seen_ids
-from processors.sink import ClickHouseSink, RowBatch
+from loopwatch.store.sink import ClickHouseSink, RowBatch
 
 T0 = datetime(2026, 11, 29, 9, 0, tzinfo=UTC)
 

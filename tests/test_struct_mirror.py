@@ -1,4 +1,4 @@
-"""The msgspec mirror of the event models (``ingest.structs``) agrees with pydantic.
+"""The msgspec mirror of the event models (``loopwatch.ingest.structs``) agrees with pydantic.
 
 Whatever the mirror accepts, pydantic accepts too, with equal events; whatever it is
 unsure of, it hands back (None) and pydantic decides. Inputs are generated per field
@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from ingest.events import EVENT_TYPES, SCHEMA_VERSION, TS_MAX, EventBase, Step
-from ingest.structs import mirror_message
-from ingest.wire import _decode_slow, decode_message
+from loopwatch.ingest.events import EVENT_TYPES, SCHEMA_VERSION, TS_MAX, EventBase, Step
+from loopwatch.ingest.structs import mirror_message
+from loopwatch.ingest.wire import _decode_slow, decode_message
 
 BOUND_NAMES = ("ge", "gt", "le", "min_length", "max_length")
 

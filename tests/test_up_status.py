@@ -53,7 +53,7 @@ def test_a_stopped_up_says_how_many_events_it_stored(tmp_path):
     """SIGTERM/Ctrl-C drained and exited printing nothing; it says it drains, then ends
     with the count.
     A `loopwatch up` of its own (own embedded broker): it is stopped here."""
-    from ingest.sdk import Emitter
+    from loopwatch.ingest.sdk import Emitter
     from loopwatch.upprocess import UpProcess
     from tests.conftest import PIPELINE_ENV
 

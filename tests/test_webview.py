@@ -25,10 +25,10 @@ from typing import Any
 import orjson
 import pytest
 
-from dashboards.panels import OUTCOME_COLORS, panels_of
-from dashboards.sample import ensure_seeded
-from dashboards.web.api import BadRequest, NotFound, WebApi
-from dashboards.web.server import make_server, serve_in_thread
+from loopwatch.dashboards.panels import OUTCOME_COLORS, panels_of
+from loopwatch.dashboards.sample import ensure_seeded
+from loopwatch.dashboards.web.api import BadRequest, NotFound, WebApi
+from loopwatch.dashboards.web.server import make_server, serve_in_thread
 from loopwatch.store.reader import DirectReader
 from tests.browser import chromium
 from tests.conftest import ServiceLikeReader, wait_for
@@ -366,7 +366,7 @@ def test_results_through_the_store_service_read_the_same(seeded):
 def captured_loop(seeded, local_store):
     """The seeded looping run with captured bodies (kept), inserted as docs/capture.md
     lays them out; returns the run id and what its steps must show."""
-    from ingest.capture import build_capture_message
+    from loopwatch.ingest.capture import build_capture_message
     from tests.captured import all_parts_rows, insert_rows
 
     reader, loop_run = seeded

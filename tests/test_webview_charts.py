@@ -18,14 +18,14 @@ from typing import Any
 
 import pytest
 
-from dashboards.web.server import serve_in_thread
-from ingest.events import EventBase, LlmCall, RunEnd, RunStart, ToolCall
-from ingest.wire import encode_envelope
-from loopwatch.money import usd
-from loopwatch.reprocess import MemoryRunStore
+from loopwatch.core.money import usd
+from loopwatch.dashboards.web.server import serve_in_thread
+from loopwatch.ingest.events import EventBase, LlmCall, RunEnd, RunStart, ToolCall
+from loopwatch.ingest.wire import encode_envelope
+from loopwatch.processors.jobs.reprocess import MemoryRunStore
+from loopwatch.processors.pipeline import Pipeline, RawMessage
 from loopwatch.store.reader import DirectReader
-from processors.pipeline import Pipeline, RawMessage
-from processors.sink import ClickHouseSink
+from loopwatch.store.sink import ClickHouseSink
 from tests.browser import chromium
 from tests.conftest import ServiceLikeReader
 

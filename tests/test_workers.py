@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from ingest.sdk import Emitter
+from loopwatch.ingest.sdk import Emitter
 from tests.conftest import scalar, stored_events, wait_for, wait_stored
 
 

@@ -1,6 +1,6 @@
 """What the web view's JSON endpoints return, independent of HTTP.
 
-Each panel runs exactly its Grafana SQL: :func:`dashboards.macros.expand` applies the
+Each panel runs exactly its Grafana SQL: :func:`loopwatch.dashboards.macros.expand` applies the
 plugin's macros for the requested range and interval, and binds template variables as
 ClickHouse query parameters. Time series come back pivoted the way the plugin turns a
 "long" frame into a wide one (one series per label combination and value column), so
@@ -19,10 +19,10 @@ from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from typing import Any, Final
 
-from dashboards.grafana import threshold_steps
-from dashboards.macros import QueryWindow, expand, grafana_interval
-from dashboards.model import Panel, Tier
-from dashboards.panels import (
+from loopwatch.dashboards.grafana import threshold_steps
+from loopwatch.dashboards.macros import QueryWindow, expand, grafana_interval
+from loopwatch.dashboards.model import Panel, Tier
+from loopwatch.dashboards.panels import (
     ANNOTATION,
     FILTER_VARIABLES,
     PANELS,
@@ -32,8 +32,8 @@ from dashboards.panels import (
     VARIABLES,
     title_of,
 )
-from loopwatch.replay.economics import Rates, agent_economics
-from loopwatch.replay.recording import RunNotFound, load_recording
+from loopwatch.processors.replay.economics import Rates, agent_economics
+from loopwatch.processors.replay.recording import RunNotFound, load_recording
 from loopwatch.store.clickhouse import read_time
 from loopwatch.store.reader import QueryError, Reader, store_health
 
@@ -114,7 +114,7 @@ def json_cell(value: Any) -> Any:
 
 
 def series_name(panel: Panel, column: str, labels: Sequence[str]) -> str:
-    """The same naming rule as the Grafana display names (see dashboards.grafana)."""
+    """The same naming rule as the Grafana display names (see loopwatch.dashboards.grafana)."""
     joined = " · ".join(str(label) if label not in ("", None) else "—" for label in labels)
     if not panel.series_by:
         return title_of(column)
@@ -333,7 +333,7 @@ class WebApi:
 
     def economics(self, params: Mapping[str, Sequence[str]]) -> dict[str, Any]:
         """``/api/economics?agent=&days=``: the agent's reproduction tax per failure mode
-        against its capture cost per run (loopwatch.replay.economics)."""
+        against its capture cost per run (loopwatch.processors.replay.economics)."""
         agent = (params.get("agent") or [""])[0]
         if not agent or len(agent) > MAX_VALUE_LENGTH:
             raise BadRequest("economics needs agent (1 to 256 characters)")
@@ -363,7 +363,7 @@ class WebApi:
 def playbooks() -> dict[str, dict[str, Any]]:
     """Shipped playbooks by name, reduced to what an on-call engineer reads first."""
     try:
-        from detectors.playbooks import load_playbooks
+        from loopwatch.detectors.playbooks import load_playbooks
 
         books = load_playbooks()
     except Exception:  # a broken playbook file must not take the page down

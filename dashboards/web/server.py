@@ -16,7 +16,7 @@ a page elsewhere cannot rebind its DNS name to 127.0.0.1 and read it. With a tok
 ``Authorization: Bearer <token>`` or the ``loopwatch_token`` cookie; a browser gets the
 cookie by opening any page once with ``?token=<token>`` (then redirected without it).
 Without them: 401 (JSON for ``/api/``, a short page saying how for the rest).
-Connections get the header deadline and cap of :mod:`loopwatch.httpserver`.
+Connections get the header deadline and cap of :mod:`loopwatch.core.httpserver`.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from dashboards.macros import MacroError
-from dashboards.web.api import BadRequest, NotFound, WebApi, catalog
-from loopwatch.httpserver import ConnectionLimits, HostCheck, Server, allowed_hosts
+from loopwatch.core.httpserver import ConnectionLimits, HostCheck, Server, allowed_hosts
+from loopwatch.dashboards.macros import MacroError
+from loopwatch.dashboards.web.api import BadRequest, NotFound, WebApi, catalog
 from loopwatch.store.reader import QueryError, Reader, ServiceUnreachable
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -64,7 +64,7 @@ TOKEN_PAGE = (b"<!doctype html><title>loopwatch</title><p>This loopwatch web vie
 
 def configured_token() -> str | None:
     """``web_token`` from the settings (environment or ``LOOPWATCH_CONFIG_FILE``)."""
-    from loopwatch.config import load_settings
+    from loopwatch.core.config import load_settings
 
     return load_settings().web_token or None
 
@@ -204,7 +204,7 @@ def make_server(reader: Reader, host: str = "127.0.0.1", port: int = 8765,
                 token: str | None = None, static: Path = STATIC) -> Server:
     """``token=None``: the configured ``web_token`` (none configured: no auth). Host
     names, header deadline and connection cap come from the settings."""
-    from loopwatch.config import load_settings
+    from loopwatch.core.config import load_settings
 
     settings = load_settings()
     token = settings.web_token if token is None else token

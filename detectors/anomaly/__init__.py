@@ -16,11 +16,11 @@ One module per detector, each class saying which signal it suits:
 =====================  =============================================================
 
 :mod:`.registry` maps these names to factories; :mod:`.csvscore` scores a CSV file;
-``python -m bench.nab_score`` scores them all on the Numenta Anomaly Benchmark.
+``python -m loopwatch.bench.nab_score`` scores them all on the Numenta Anomaly Benchmark.
 """
 
-from detectors.anomaly.base import AnomalyDetector, score_series
-from detectors.anomaly.csvscore import score_csv
-from detectors.anomaly.registry import DEFAULT_DETECTOR, DETECTORS
+from loopwatch.detectors.anomaly.base import AnomalyDetector, score_series
+from loopwatch.detectors.anomaly.csvscore import score_csv
+from loopwatch.detectors.anomaly.registry import DEFAULT_DETECTOR, DETECTORS
 
 __all__ = ["DEFAULT_DETECTOR", "DETECTORS", "AnomalyDetector", "score_csv", "score_series"]

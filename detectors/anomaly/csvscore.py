@@ -7,7 +7,7 @@ import math
 from datetime import datetime
 from typing import TextIO
 
-from detectors.anomaly.registry import DEFAULT_DETECTOR, DETECTORS
+from loopwatch.detectors.anomaly.registry import DEFAULT_DETECTOR, DETECTORS
 
 HEADER = ("timestamp", "value")
 
@@ -39,7 +39,7 @@ def score_csv(source: TextIO, sink: TextIO, detector: str | None = None) -> int:
     computed online from the rows before it and the row itself (``score_one`` then
     ``learn_one``), so it is what a live detector would have said at that moment. A
     detector still warming up scores 0. ``detector`` names an entry of
-    :data:`~detectors.anomaly.registry.DETECTORS` (default: the generic one).
+    :data:`~loopwatch.detectors.anomaly.registry.DETECTORS` (default: the generic one).
 
     >>> import io
     >>> out = io.StringIO()

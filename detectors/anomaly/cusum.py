@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from datetime import datetime
 
-from detectors.anomaly.base import surprise_from_log10
-from detectors.anomaly.rolling import SlowBaseline
+from loopwatch.detectors.anomaly.base import surprise_from_log10
+from loopwatch.detectors.anomaly.rolling import SlowBaseline
 
 
 class Cusum:
@@ -17,13 +17,13 @@ class Cusum:
     sigma. ``S+ = max(0, S+ + z - k)`` and ``S- = max(0, S- - z - k)`` add up evidence of
     a shift larger than ``k`` sigmas; with in-control normal data the chance that the
     larger of the two exceeds ``s`` is about ``2 exp(-2 k s)``, and that tail probability
-    is the score on the :func:`~detectors.anomaly.base.surprise` scale. When the sum
+    is the score on the :func:`~loopwatch.detectors.anomaly.base.surprise` scale. When the sum
     passes ``reset_at`` the chart restarts from zero at the recent level (a fast EWMA), so
     one change raises one alarm instead of a stream of them. The baseline mean and sigma
     follow the series slowly (``alpha``) and winsorise their input at ``clip`` sigmas.
 
     >>> import numpy as np
-    >>> from detectors.anomaly.base import score_series
+    >>> from loopwatch.detectors.anomaly.base import score_series
     >>> rng = np.random.default_rng(11)
     >>> det = Cusum()
     >>> before = score_series(det, 5 + rng.normal(0, 1, 400))

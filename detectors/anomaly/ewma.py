@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from datetime import datetime
 
-from detectors.anomaly.base import normal_surprise
-from detectors.anomaly.rolling import SlowBaseline
+from loopwatch.detectors.anomaly.base import normal_surprise
+from loopwatch.detectors.anomaly.rolling import SlowBaseline
 
 
 class EWMALevelShift:

@@ -7,7 +7,7 @@ from datetime import datetime
 
 import numpy as np
 
-from detectors.anomaly.rolling import FloatArray
+from loopwatch.detectors.anomaly.rolling import FloatArray
 
 
 def normal_upper_tail(x: float, mean: float, std: float) -> float:

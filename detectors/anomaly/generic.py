@@ -6,10 +6,10 @@ import math
 from dataclasses import dataclass, replace
 from datetime import datetime
 
-from detectors.anomaly.base import normal_surprise, surprise, surprise_from_log10
-from detectors.anomaly.likelihood import AnomalyLikelihood
-from detectors.anomaly.robust_z import RobustZScore
-from detectors.anomaly.seasonal import SeasonalBaseline
+from loopwatch.detectors.anomaly.base import normal_surprise, surprise, surprise_from_log10
+from loopwatch.detectors.anomaly.likelihood import AnomalyLikelihood
+from loopwatch.detectors.anomaly.robust_z import RobustZScore
+from loopwatch.detectors.anomaly.seasonal import SeasonalBaseline
 
 MODELS = ("robust", "seasonal", "hybrid")
 
@@ -66,7 +66,7 @@ class GenericDetector:
        absolute error, forgetting rate ``select_alpha``), so traffic-shaped metrics get the
        seasonal baseline and flat ones the recent level, without configuration.
     2. *Likelihood.* The residual's surprise (its two-sided normal p on the
-       :func:`~detectors.anomaly.base.surprise` scale) goes through
+       :func:`~loopwatch.detectors.anomaly.base.surprise` scale) goes through
        :class:`AnomalyLikelihood`: the mean of the last 10 against this series' own
        history of such means. Noisy series stop alerting on routine noise, a burst of
        moderately odd points adds up, and one wild point still stands out.
@@ -78,12 +78,12 @@ class GenericDetector:
        (Numenta's likelihood filter): one page per incident, not one per minute of it.
 
     The defaults (``hybrid``, surprise, range check and cap on) were chosen among the
-    :data:`CANDIDATES` on NAB; ``python -m bench.nab_score --loo`` shows every candidate
+    :data:`CANDIDATES` on NAB; ``python -m loopwatch.bench.nab_score --loo`` shows every candidate
     and the leave-one-file-out estimate of making that choice.
 
     >>> import numpy as np
     >>> from datetime import timedelta
-    >>> from detectors.anomaly.base import score_series
+    >>> from loopwatch.detectors.anomaly.base import score_series
     >>> rng = np.random.default_rng(1)
     >>> values = list(20 + rng.normal(0, 1, 1500))
     >>> values[1200:] = [v + 8 for v in values[1200:]]           # a level shift at 1200
@@ -202,4 +202,4 @@ CANDIDATES: dict[str, GenericConfig] = {
     for cap in (True, False)
 }
 """The configurations considered for ``generic``, fixed before looking at NAB's real
-series; ``python -m bench.nab_score --loo`` cross-validates the choice among them."""
+series; ``python -m loopwatch.bench.nab_score --loo`` cross-validates the choice among them."""

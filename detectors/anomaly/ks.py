@@ -8,7 +8,7 @@ from datetime import datetime
 import numpy as np
 from scipy.stats import ks_2samp
 
-from detectors.anomaly.base import surprise
+from loopwatch.detectors.anomaly.base import surprise
 
 
 class KSShift:
@@ -21,11 +21,11 @@ class KSShift:
     location, spread or shape alike. The recent window includes the point being scored;
     the reference is the ``reference`` points just before it, so the detector
     re-baselines once a change has aged out of the recent window. Score: the KS
-    p-value on the :func:`~detectors.anomaly.base.surprise` scale. Assumes roughly
+    p-value on the :func:`~loopwatch.detectors.anomaly.base.surprise` scale. Assumes roughly
     independent values; on strongly autocorrelated series it over-reports.
 
     >>> import numpy as np
-    >>> from detectors.anomaly.base import score_series
+    >>> from loopwatch.detectors.anomaly.base import score_series
     >>> rng = np.random.default_rng(5)
     >>> det = KSShift(reference=200, recent=50)
     >>> before = score_series(det, rng.gamma(4.0, 100.0, 400))  # completion lengths

@@ -8,7 +8,7 @@ from datetime import datetime
 import numpy as np
 from scipy.special import betaln, gammaln
 
-from detectors.anomaly.base import surprise
+from loopwatch.detectors.anomaly.base import surprise
 
 
 def beta_binomial_tails(k: int, n: int, a: float, b: float) -> tuple[float, float]:
@@ -42,7 +42,7 @@ class ProportionDetector:
     the posterior predictive beta-binomial, which is wide when little has been seen and
     when ``n`` is small. ``side`` picks rises (``"upper"``), drops (``"lower"``) or both.
 
-    The plain :class:`~detectors.anomaly.base.AnomalyDetector` interface takes the ratio
+    The plain :class:`~loopwatch.detectors.anomaly.base.AnomalyDetector` interface takes the ratio
     ``x = k / n`` with ``n = trials``; prefer ``score_counts``/``learn_counts``.
 
     >>> det = ProportionDetector(side="upper")

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from detectors.anomaly.base import AnomalyDetector
-from detectors.anomaly.cusum import Cusum
-from detectors.anomaly.ewma import EWMALevelShift
-from detectors.anomaly.gaussian import WindowedGaussian
-from detectors.anomaly.generic import GenericDetector
-from detectors.anomaly.ks import KSShift
-from detectors.anomaly.proportion import ProportionDetector
-from detectors.anomaly.robust_z import RobustZScore
-from detectors.anomaly.seasonal import SeasonalBaseline
+from loopwatch.detectors.anomaly.base import AnomalyDetector
+from loopwatch.detectors.anomaly.cusum import Cusum
+from loopwatch.detectors.anomaly.ewma import EWMALevelShift
+from loopwatch.detectors.anomaly.gaussian import WindowedGaussian
+from loopwatch.detectors.anomaly.generic import GenericDetector
+from loopwatch.detectors.anomaly.ks import KSShift
+from loopwatch.detectors.anomaly.proportion import ProportionDetector
+from loopwatch.detectors.anomaly.robust_z import RobustZScore
+from loopwatch.detectors.anomaly.seasonal import SeasonalBaseline
 
 DETECTORS: dict[str, Callable[[], AnomalyDetector]] = {
     "robust_z": RobustZScore,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from detectors.anomaly.base import normal_surprise
-from detectors.anomaly.rolling import RollingWindow
+from loopwatch.detectors.anomaly.base import normal_surprise
+from loopwatch.detectors.anomaly.rolling import RollingWindow
 
 
 class RobustZScore:
@@ -16,7 +16,7 @@ class RobustZScore:
     inflate a mean and standard deviation, so one outlier neither hides the next one nor
     lingers as a false baseline. Catches spikes and the first points of a level shift; it
     re-baselines by itself once a shift fills half the window. The score is the two-sided
-    normal tail of ``z`` on the :func:`~detectors.anomaly.base.surprise` scale.
+    normal tail of ``z`` on the :func:`~loopwatch.detectors.anomaly.base.surprise` scale.
 
     >>> import numpy as np
     >>> rng = np.random.default_rng(7)

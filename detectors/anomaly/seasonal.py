@@ -9,8 +9,8 @@ from typing import NamedTuple
 import numpy as np
 from scipy.special import stdtr
 
-from detectors.anomaly.base import surprise
-from detectors.anomaly.rolling import MEAN_AD_TO_SIGMA, robust_scale
+from loopwatch.detectors.anomaly.base import surprise
+from loopwatch.detectors.anomaly.rolling import MEAN_AD_TO_SIGMA, robust_scale
 
 WEEK_SECONDS = 7 * 86400
 DAY_SECONDS = 86400

@@ -205,7 +205,7 @@ def parse_playbook(text: str, origin: str, expected_name: str | None = None) -> 
     >>> parse_playbook('name = "x"', "x.toml")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    detectors.playbooks.PlaybookError: x.toml: playbook is missing required field(s) [...]
+    loopwatch.detectors.playbooks.PlaybookError: x.toml: playbook is missing required field(s) [...]
     """
     try:
         data = tomllib.loads(text)

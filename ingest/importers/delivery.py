@@ -22,10 +22,10 @@ from typing import Any
 
 from kafka.errors import KafkaError
 
-from ingest.events import EventBase
-from ingest.importers.records import Bad, Record
-from ingest.sdk import Emitter
-from loopwatch.config import Settings
+from loopwatch.core.config import Settings
+from loopwatch.ingest.events import EventBase
+from loopwatch.ingest.importers.records import Bad, Record
+from loopwatch.ingest.sdk import Emitter
 from loopwatch.store.reader import Reader, ServiceReader, running_service
 
 SEND_BATCH = 1000

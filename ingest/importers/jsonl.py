@@ -1,6 +1,6 @@
 """``loopwatch ingest file``: JSONL whose lines are contract events (or envelopes).
 
-Each line is validated as the processors would (``ingest.wire.decode_one``); a line
+Each line is validated as the processors would (``loopwatch.ingest.wire.decode_one``); a line
 that is not valid JSON or not a valid event is a bad record, reported by line number
 and skipped. Lines without an ``event_id`` get one derived from the file's digest and
 the line, so a re-import is harmless.
@@ -14,8 +14,8 @@ from typing import Any
 
 import orjson
 
-from ingest.importers.records import Bad, Good, Record, stable_id
-from ingest.wire import ENVELOPE_VERSION, DeadLetter, decode_one
+from loopwatch.ingest.importers.records import Bad, Good, Record, stable_id
+from loopwatch.ingest.wire import ENVELOPE_VERSION, DeadLetter, decode_one
 
 
 def _items(body: Any) -> list[Any]:

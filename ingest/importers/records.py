@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from ingest.events import EventBase
+from loopwatch.ingest.events import EventBase
 
 IMPORT_NAMESPACE = uuid.UUID("2b7d0c4e-8f61-4c39-a1d5-5e0f3c9b7a21")
 

@@ -30,7 +30,7 @@ from typing import Any, Literal
 import orjson
 from pydantic import ValidationError
 
-from ingest.events import (
+from loopwatch.ingest.events import (
     EventBase,
     Label,
     LlmCall,
@@ -40,7 +40,7 @@ from ingest.events import (
     ToolCall,
     canonical_args_hash,
 )
-from ingest.importers.records import Bad, Good, Record, stable_id
+from loopwatch.ingest.importers.records import Bad, Good, Record, stable_id
 
 OUTCOME_KEYS = ("outcome", "success", "reward", "resolved")
 CORRECT_WORDS = frozenset({"success", "succeeded", "correct", "pass", "passed", "resolved",

@@ -1,7 +1,7 @@
 """One export path for every OTLP transport: decode, map, publish, answer.
 
-The HTTP receiver (:mod:`ingest.otlp.server`) and the gRPC one
-(:mod:`ingest.otlp.grpc_server`) differ only in how a request arrives and how the
+The HTTP receiver (:mod:`loopwatch.ingest.otlp.server`) and the gRPC one
+(:mod:`loopwatch.ingest.otlp.grpc_server`) differ only in how a request arrives and how the
 answer is written; what a request *does* is here, once: the same decoder and mapping,
 the same in-flight bound, the same broker acknowledgement before the answer, the same
 partial success for spans that could not be mapped, the same counters.
@@ -20,12 +20,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTracePartialSuccess,
 )
 
-from ingest.otlp.decode import DecodedRequest, PayloadError, decode_json, decode_protobuf
-from ingest.otlp.mapping import MappedBatch, map_spans
-from ingest.otlp.settings import OtlpSettings
-from ingest.redact import Redactor
-from ingest.sdk import Emitter
-from loopwatch.config import Settings
+from loopwatch.core.config import Settings
+from loopwatch.ingest.otlp.decode import DecodedRequest, PayloadError, decode_json, decode_protobuf
+from loopwatch.ingest.otlp.mapping import MappedBatch, map_spans
+from loopwatch.ingest.otlp.settings import OtlpSettings
+from loopwatch.ingest.redact import Redactor
+from loopwatch.ingest.sdk import Emitter
 
 log = logging.getLogger(__name__)
 

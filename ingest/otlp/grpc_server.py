@@ -1,6 +1,6 @@
 """The OTLP/gRPC trace receiver: ``TraceService/Export`` on 4317, beside OTLP/HTTP.
 
-It is a second front door to :class:`ingest.otlp.export.SpanExport`, the path the HTTP
+It is a second front door to :class:`loopwatch.ingest.otlp.export.SpanExport`, the path the HTTP
 receiver takes: the request's bytes go to the same protobuf decoder (the method takes
 them raw, so a malformed message is INVALID_ARGUMENT with the decoder's reason rather
 than grpc's opaque deserialisation error), the same mapping, the same in-flight bound,
@@ -40,7 +40,7 @@ from google.rpc.error_details_pb2 import RetryInfo
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
-from ingest.otlp.export import PROTOBUF, Reject, SpanExport, partial_success
+from loopwatch.ingest.otlp.export import PROTOBUF, Reject, SpanExport, partial_success
 
 log = logging.getLogger(__name__)
 

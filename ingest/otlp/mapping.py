@@ -1,6 +1,6 @@
 """Spans to contract events: pure, deterministic, one batch at a time.
 
-What a span becomes (see :mod:`ingest.otlp.conventions` for the names read):
+What a span becomes (see :mod:`loopwatch.ingest.otlp.conventions` for the names read):
 
 - a model call (``chat``/``generate_content``/``text_completion``, OpenInference
   ``LLM``) -> ``llm.call`` with its tokens. Tokens are counted **only** here: agent,
@@ -32,10 +32,10 @@ explicitly, and win over the rule: the root's explicit agent is the trace's, ano
 span's is its own rows'.
 One request rarely holds a whole trace (``SimpleSpanProcessor`` exports each child
 before its root), so the rule is applied over the spans of the request, and every
-event says how far that got it: its claim's rank (:mod:`ingest.attribution`), e.g. a
+event says how far that got it: its claim's rank (:mod:`loopwatch.ingest.attribution`), e.g. a
 child alone in its request takes its own resource's ``service.name`` at the lowest
 rank. The processors keep each run's best claim, store later rows under it and revise
-the rows stored before it came (:mod:`processors.attribution`).
+the rows stored before it came (:mod:`loopwatch.processors.attribution`).
 Every event records its span's convention in the ``otel_convention`` extra, and
 :class:`MappedBatch` counts the batch's spans per convention.
 
@@ -67,10 +67,10 @@ from typing import Any, TypeVar
 import orjson
 from pydantic import ValidationError
 
-from ingest import attribution
-from ingest.attribution import Claim
-from ingest.capture import CaptureMessage, part_hash
-from ingest.events import (
+from loopwatch.ingest import attribution
+from loopwatch.ingest.attribution import Claim
+from loopwatch.ingest.capture import CaptureMessage, part_hash
+from loopwatch.ingest.events import (
     EventBase,
     LlmCall,
     RunEnd,
@@ -79,8 +79,8 @@ from ingest.events import (
     canonical_args_hash,
     llm_usage_from_exclusive,
 )
-from ingest.otlp import conventions as c
-from ingest.otlp.decode import STATUS_ERROR, BadSpan, Span
+from loopwatch.ingest.otlp import conventions as c
+from loopwatch.ingest.otlp.decode import STATUS_ERROR, BadSpan, Span
 
 log = logging.getLogger(__name__)
 EVENT_NAMESPACE = uuid.UUID("6f0a6f1e-3c55-4c1b-9d7e-0c7a1d6b2f10")

@@ -10,7 +10,7 @@ Answers (OTLP/HTTP semantics, so stock exporters retry what is worth retrying):
   closed): 401 without the configured bearer token, 415 for an unknown content type or
   encoding, 411 without Content-Length, 413 over ``max_body_bytes``, 429 + Retry-After
   when ``max_receiving`` bodies are already arriving, 421 for a foreign ``Host`` when
-  no token is configured (DNS rebinding; :mod:`loopwatch.httpserver`);
+  no token is configured (DNS rebinding; :mod:`loopwatch.core.httpserver`);
 - 408 when the body does not arrive within ``body_timeout_s``; 400 with the reason for
   a body that is not an OTLP trace request, 413 over ``max_body_bytes`` after
   decompression;
@@ -22,10 +22,10 @@ Memory is bounded by ``(max_receiving + max_inflight) x max_body_bytes`` plus th
 events, however slow the broker or the clients; the client keeps the data and retries.
 A slow body holds a receive slot, never an in-flight one, and only until its deadline.
 
-Runs on uvicorn + Starlette (:mod:`loopwatch.httpserver`: header deadline, a
+Runs on uvicorn + Starlette (:mod:`loopwatch.core.httpserver`: header deadline, a
 connection cap slow clients cannot exhaust): one event loop thread reads requests,
 ``max_inflight`` worker threads decompress, then take the export path
-(:mod:`ingest.otlp.export`: decode, map, publish) that the OTLP/gRPC receiver
+(:mod:`loopwatch.ingest.otlp.export`: decode, map, publish) that the OTLP/gRPC receiver
 (:meth:`OtlpReceiver.serve_grpc`) shares, with its in-flight bound and counters
 (kafka-python's producer is shared and thread-safe).
 """
@@ -50,7 +50,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from ingest.otlp.export import (
+from loopwatch.core.config import Settings
+from loopwatch.core.httpserver import ConnectionLimits, HostCheck, Server, allowed_hosts
+from loopwatch.ingest.otlp.export import (
     JSON,
     PROTOBUF,
     ReceiverStats,
@@ -58,12 +60,10 @@ from ingest.otlp.export import (
     SpanExport,
     partial_success,
 )
-from ingest.otlp.grpc_server import OtlpGrpcReceiver
-from ingest.otlp.mapping import MappedBatch
-from ingest.otlp.settings import OtlpSettings, load_otlp_settings
-from ingest.sdk import Emitter
-from loopwatch.config import Settings
-from loopwatch.httpserver import ConnectionLimits, HostCheck, Server, allowed_hosts
+from loopwatch.ingest.otlp.grpc_server import OtlpGrpcReceiver
+from loopwatch.ingest.otlp.mapping import MappedBatch
+from loopwatch.ingest.otlp.settings import OtlpSettings, load_otlp_settings
+from loopwatch.ingest.sdk import Emitter
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
-"""Settings of the OTLP receiver, read once at the edge like :mod:`loopwatch.config`.
+"""Settings of the OTLP receiver, read once at the edge like :mod:`loopwatch.core.config`.
 
-Kept apart from :class:`loopwatch.config.Settings` for now (env prefix
+Kept apart from :class:`loopwatch.core.config.Settings` for now (env prefix
 ``LOOPWATCH_OTLP_``, so ``LOOPWATCH_OTLP_PORT`` works either way if they move there).
 """
 

@@ -24,7 +24,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from ingest.sdk import Emitter
+from loopwatch.ingest.sdk import Emitter
 from loopwatch.scenarios import FLEET, Scenario
 from loopwatch.scenarios.traffic import Injection, Traffic
 from loopwatch.store.clickhouse import read_time

@@ -18,18 +18,18 @@ from typing import Any
 
 from clickhouse_connect.driver.client import Client
 
-from detectors.alerts import Transition
-from detectors.engine import DetectorEngine
-from detectors.rules import load_rules
-from ingest.events import EventBase
-from ingest.wire import encode_envelope
-from loopwatch.config import Settings
-from loopwatch.reprocess import MemoryRunStore
+from loopwatch.core.config import Settings
+from loopwatch.detectors.alerts import Transition
+from loopwatch.detectors.engine import DetectorEngine
+from loopwatch.detectors.rules import load_rules
+from loopwatch.ingest.events import EventBase
+from loopwatch.ingest.wire import encode_envelope
+from loopwatch.processors.jobs.reprocess import MemoryRunStore
+from loopwatch.processors.pipeline import Pipeline, RawMessage
 from loopwatch.scenarios import FLEET, Scenario, load_scenarios
 from loopwatch.scenarios.traffic import Injection, Traffic
 from loopwatch.store.clickhouse import run_query
-from processors.pipeline import Pipeline, RawMessage
-from processors.sink import ClickHouseSink, RowBatch
+from loopwatch.store.sink import ClickHouseSink, RowBatch
 
 Progress = Callable[[str], None]
 

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from ingest.events import EventBase, Label, LlmCall, RunEnd, RunStart, Step, ToolCall
-from processors.pricing import PriceTable
+from loopwatch.ingest.events import EventBase, Label, LlmCall, RunEnd, RunStart, Step, ToolCall
+from loopwatch.processors.pricing import PriceTable
 
 
 @dataclass(frozen=True)

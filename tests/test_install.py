@@ -1,0 +1,80 @@
+"""What installing loopwatch puts where (issue #25): only ``loopwatch`` in site-packages;
+``pip install loopwatch`` is the SDK alone (no faust, chdb, clickhouse-connect, scipy or
+grafana-client), and even in the server install ``import loopwatch`` and ``from loopwatch
+import Emitter`` load none of them.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: the server's heavy imports an agent's process must not pay for
+SERVER_ONLY = ("faust", "chdb", "clickhouse_connect", "scipy", "grafana_client", "numpy",
+               "typer", "rich", "uvicorn", "grpc")
+#: what the old layout installed beside loopwatch
+OLD_TOP_LEVEL = ("ingest", "processors", "detectors", "dashboards", "bench", "store")
+
+_PROBE = f"""
+import importlib.util, json, sys
+import loopwatch
+from loopwatch import Emitter
+print(json.dumps({{"emitter": f"{{Emitter.__module__}}.{{Emitter.__name__}}",
+                  "loaded": sorted(m for m in {SERVER_ONLY!r} if m in sys.modules),
+                  "installed": sorted(m for m in {SERVER_ONLY!r}
+                                      if importlib.util.find_spec(m) is not None),
+                  "old": sorted(m for m in {OLD_TOP_LEVEL!r}
+                                if importlib.util.find_spec(m) is not None)}}))
+"""
+
+
+def _probe(python: str | Path, cwd: Path) -> dict[str, object]:
+    done = subprocess.run([str(python), "-c", _PROBE], cwd=cwd, capture_output=True,
+                          text=True, timeout=120, check=True)
+    return json.loads(done.stdout)
+
+
+def test_server_install_imports_the_sdk_alone(tmp_path: Path) -> None:
+    """In this (server + test) install, from outside the checkout."""
+    probe = _probe(sys.executable, tmp_path)
+    assert probe["emitter"] == "loopwatch.ingest.sdk.Emitter"
+    assert probe["loaded"] == []
+    assert probe["old"] == []
+    assert "faust" in probe["installed"]  # the heavy modules are there, just not loaded
+
+
+@pytest.mark.stack  # not a service, but slow: builds a wheel and a fresh venv (~40 s)
+def test_sdk_only_install(tmp_path: Path) -> None:
+    """``pip install <the wheel>`` into an empty venv, dependencies from the configured
+    index: the SDK imports and the heavy stack is absent; the CLI says what to install."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(ROOT),
+                    "-w", str(tmp_path / "dist")], check=True, timeout=600,
+                   capture_output=True)
+    wheel = next((tmp_path / "dist").glob("loopwatch-*.whl"))
+    tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+    assert sorted(tops) == ["loopwatch", f"{wheel.name.split('-py3')[0]}.dist-info"]
+    venv.create(tmp_path / "sdk", with_pip=True)
+    python = tmp_path / "sdk" / "bin" / "python"
+    subprocess.run([str(python), "-m", "pip", "install", "-q", str(wheel)], check=True,
+                   timeout=900, capture_output=True)
+    probe = _probe(python, tmp_path)
+    assert probe == {"emitter": "loopwatch.ingest.sdk.Emitter", "loaded": [],
+                     "installed": [], "old": []}
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig."
+                                "get_paths()['purelib'])"], capture_output=True, text=True,
+                               check=True).stdout.strip())
+    assert not [name for name in OLD_TOP_LEVEL if (site / name).exists()]
+    command = subprocess.run([str(tmp_path / "sdk" / "bin" / "loopwatch"), "demo"],
+                             capture_output=True, text=True, timeout=60)
+    assert command.returncode == 1
+    assert command.stderr.splitlines() == [
+        "loopwatch: the command line needs the server install (typer is not installed): "
+        "pip install 'loopwatch[server]'"]

@@ -550,16 +550,16 @@ def test_overrides_per_agent_and_for_duration_lifecycle(fleet, local_store):
     assert finding(higher, "stuck_run", bad).state == "inactive"
     slow = [{"rule": "stuck_run", "match": {"agent": bad}, "for": "5m"}]
     detector = engine(local_store, overrides=slow)
-    first = [t for t in detector.evaluate(event_now=NOW) if t.alert.labels["agent"] == bad]
+    first = [t for t in detector.evaluate(event_now=NOW) if t.alert.labels.get("agent") == bad]
     assert [t.kind for t in first] == ["pending"]
     later = [t for t in detector.evaluate(event_now=NOW + timedelta(minutes=5))
-             if t.alert.labels["agent"] == bad]
+             if t.alert.labels.get("agent") == bad]
     assert [t.kind for t in later] == ["fired"]
     fleet.add(RunEnd(ts=NOW + timedelta(minutes=6), run_id=first[0].alert.labels["run_id"],
                      agent=bad, terminal_reason="model_done"))
     fleet.flush()
     resolved = [t for t in detector.evaluate(event_now=NOW + timedelta(minutes=7))
-                if t.alert.labels["agent"] == bad]
+                if t.alert.labels.get("agent") == bad]
     assert [(t.kind, t.alert.state) for t in resolved] == [("resolved", "resolved")]
     history = run_query(local_store[1], "SELECT state, fired_at IS NOT NULL, resolved_at IS NOT "
                         "NULL FROM alerts FINAL WHERE labels['agent'] = {a:String}",

@@ -150,6 +150,57 @@ def test_every_reader_of_a_metric_gets_the_same_number(name, scripted, local_sto
         assert rule_row(client, rule, agent)["value"] == EXPECTED[name], rule
 
 
+#: (panel, column, metric): every panel that draws a derived metric
+PANEL_SERIES = [
+    ("silent_failure_ratio_now", "silent_failure_ratio", "silent_failure_ratio"),
+    ("silent_vs_exception", "silent_failure_ratio", "silent_failure_ratio"),
+    ("silent_vs_exception", "exception_rate", "exception_rate"),
+    ("silent_failure_trend", "silent_failure_ratio", "silent_failure_ratio"),
+    ("silent_failure_trend", "exception_rate", "exception_rate"),
+    ("outcome_by_model_prompt", "silent_failure_ratio", "silent_failure_ratio"),
+    ("outcome_by_model_prompt", "exception_rate", "exception_rate"),
+    ("cost_per_success", "cost_per_successful_run", "cost_per_successful_run"),
+    ("cost_per_success", "cost_per_run", "cost_per_run"),
+    ("cache_hit_rate", "cache_hit_rate", "cache_hit_rate"),
+    ("cache_by_prompt_deploy", "cache_hit_rate", "cache_hit_rate"),
+    ("llm_errors_by_provider", "error_rate_excl_429", "llm_error_rate"),
+    ("llm_errors_by_provider", "rate_429", "llm_rate_429"),
+    ("tool_error_rate", "error_rate", "tool_error_rate"),
+    ("near_miss_ratio", "near_miss_ratio", "near_miss_ratio"),
+    ("tool_health", "error_rate", "tool_error_rate"),
+    ("tool_health", "timeout_rate", "tool_timeout_rate"),
+    ("tool_health", "near_miss_ratio", "near_miss_ratio"),
+]
+
+
+def _panel(client: Any, panel_id: str, agent: str) -> list[dict[str, Any]]:
+    """The panel's SQL as the web view runs it (Grafana's macros), over 10:50 - 11:00."""
+    from dashboards.macros import QueryWindow
+    from dashboards.macros import expand as expand_macros
+    from dashboards.panels import PANELS_BY_ID
+
+    window = QueryWindow(NOW - timedelta(minutes=10), NOW, 60)
+    expanded = expand_macros(PANELS_BY_ID[panel_id].sql, window, {"agent": [agent]})
+    return run_query(client, expanded.sql, expanded.parameters, readonly=True).records()
+
+
+@pytest.mark.parametrize("panel_id, column, name", PANEL_SERIES,
+                         ids=[f"{p}.{c}" for p, c, _ in PANEL_SERIES])
+def test_every_panel_draws_the_number_its_rule_pages_on(panel_id, column, name, scripted,
+                                                         local_store):
+    _, client = local_store
+    rows = _panel(client, panel_id, _agent(scripted, name))
+    assert [row[column] for row in rows] == [EXPECTED[name]], (panel_id, rows)
+
+
+def test_the_cost_per_outcome_panel_is_the_reports(scripted, local_store):
+    _, client = local_store
+    rows = _panel(client, "cost_per_outcome", scripted["runs"])
+    assert {row["outcome"]: row["mean_cost_usd"] for row in rows} == {
+        "success": 3.0, "hard_error": 1.5, "budget_exhausted": 1.5, "gave_up": 1.5,
+        "looped": 1.5, "abandoned": 1.5}
+
+
 def test_the_report_reads_the_same_definitions(scripted, local_store):
     """The CLI report (and the demo's numbers) divide the same sums in Python; the LLM
     agent's report spans its baseline hour too."""

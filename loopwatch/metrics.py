@@ -53,6 +53,9 @@ class Measure:
     kind: MeasureKind
     expr: str = ""
     predicate: str = ""
+    #: False: a measure of the base table that the view does not carry (yet): rules and
+    #: playbooks render it over the base table; panels cannot read it from the view
+    in_view: bool = True
 
     @property
     def additive(self) -> bool:
@@ -126,7 +129,7 @@ class View:
             ",\n    " + dims
         source = self.rollup_of or f"{self.table} FINAL"
         lines = [f"CREATE OR REPLACE VIEW {self.name} AS", "SELECT", f"    {head},"]
-        lines += [f"    {self._column(column)}," for column in self.columns]
+        lines += [f"    {self._column(column)}," for column in self.columns if column.in_view]
         lines[-1] = lines[-1].rstrip(",")
         lines.append(f"FROM {source}")
         if self.where and not self.rollup_of:
@@ -150,6 +153,11 @@ class Metric:
     @property
     def grain(self) -> str:
         return VIEWS[self.view].grain
+
+    @property
+    def in_view(self) -> bool:
+        """Whether the view carries every measure (panels and the report can read it)."""
+        return all(m.in_view for m in self._measures((self.numerator, *self.denominator)))
 
     @property
     def table(self) -> str:
@@ -183,12 +191,19 @@ class Metric:
             return f"ifNull({rendered}, 0)"
         return rendered
 
+    def _in_view(self) -> None:
+        if not self.in_view:
+            raise MetricsError(f"metric {self.name}: view {self.view} does not carry its "
+                               "measures (in_view = false): read it over the base table")
+
     def view_column(self) -> str:
         """The ratio column inside the view (over the minute's measures)."""
+        self._in_view()
         return self._divide(self.numerator, " + ".join(self.denominator))
 
     def over_view(self) -> str:
         """Re-aggregated over rows of the view: sum(numerator) / sum(denominator)."""
+        self._in_view()
         return self._divide(f"sum({self.numerator})", f"sum({' + '.join(self.denominator)})")
 
     def value(self, numerator: float, denominator: float) -> float | None:
@@ -197,13 +212,18 @@ class Metric:
 
 
 def _measure(view: str, raw: dict[str, Any], sets: dict[str, tuple[str, ...]]) -> Measure:
+    raw = dict(raw)
+    in_view = raw.pop("in_view", True)
     name = raw.get("name")
     kinds = [key for key in ("count", "count_if", "sum", "sum_if", "sql", "metric") if key in raw]
-    if not isinstance(name, str) or len(kinds) != 1 or set(raw) != {"name", kinds[0]}:
+    if not isinstance(name, str) or len(kinds) != 1 or set(raw) != {"name", kinds[0]} or \
+            not isinstance(in_view, bool):
         raise MetricsError(f"view {view}: column {raw!r} needs a name and exactly one of "
-                           "count, count_if, sum, sum_if, sql, metric")
+                           "count, count_if, sum, sum_if, sql, metric (and maybe in_view)")
     kind = kinds[0]
     value = raw[kind]
+    if not in_view and kind in ("sql", "metric"):
+        raise MetricsError(f"view {view}: {name}: only a measure can be in_view = false")
 
     def fill(text: str) -> str:
         for set_name, values in sets.items():
@@ -211,14 +231,15 @@ def _measure(view: str, raw: dict[str, Any], sets: dict[str, tuple[str, ...]]) -
         return text
 
     if kind == "count":
-        return Measure(name, "count")
+        return Measure(name, "count", in_view=in_view)
     if kind == "count_if":
-        return Measure(name, "count_if", predicate=fill(value))
+        return Measure(name, "count_if", predicate=fill(value), in_view=in_view)
     if kind == "sum_if":
         if not (isinstance(value, list) and len(value) == 2):
             raise MetricsError(f"view {view}: {name}.sum_if is [expression, predicate]")
-        return Measure(name, "sum_if", expr=value[0], predicate=fill(value[1]))
-    return Measure(name, kind, expr=value)
+        return Measure(name, "sum_if", expr=value[0], predicate=fill(value[1]),
+                       in_view=in_view)
+    return Measure(name, kind, expr=value, in_view=in_view)
 
 
 def load(text: str | None = None) -> tuple[dict[str, tuple[str, ...]], dict[str, View],
@@ -226,7 +247,19 @@ def load(text: str | None = None) -> tuple[dict[str, tuple[str, ...]], dict[str,
     """Sets, views and metrics from ``text`` (TOML) or the shipped ``metrics.toml``."""
     if text is None:
         text = resources.files("loopwatch").joinpath("metrics.toml").read_text(encoding="utf-8")
-    data = tomllib.loads(text)
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise MetricsError(f"metrics.toml is not valid TOML: {exc}") from exc
+    try:
+        return _build(data)
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise MetricsError(f"metrics.toml: a view or metric is missing a field or has one "
+                           f"it may not have ({type(exc).__name__}: {exc})") from exc
+
+
+def _build(data: dict[str, Any]) -> tuple[dict[str, tuple[str, ...]], dict[str, View],
+                                          dict[str, Metric]]:
     sets = {name: tuple(values) for name, values in data.get("sets", {}).items()}
     views = {}
     for raw in data["views"]:
@@ -243,7 +276,30 @@ def load(text: str | None = None) -> tuple[dict[str, tuple[str, ...]], dict[str,
         if metric.view not in views:
             raise MetricsError(f"metric {metric.name}: no view {metric.view!r}")
         metrics[metric.name] = metric
+    _validate(views, metrics)
     return sets, views, metrics
+
+
+def _validate(views: dict[str, View], metrics: dict[str, Metric]) -> None:
+    """Every measure a metric names exists in its view and adds up; every ratio column
+    names a metric over its own view."""
+    for metric in metrics.values():
+        for name in (metric.numerator, *metric.denominator):
+            views[metric.view].measure(name)
+    for view in views.values():
+        if view.rollup_of and view.rollup_of not in views:
+            raise MetricsError(f"view {view.name}: rolls up no view {view.rollup_of!r}")
+        for column in view.columns:
+            if column.kind != "metric":
+                continue
+            ratio = metrics.get(column.expr)
+            if ratio is None or ratio.view != view.name:
+                raise MetricsError(f"view {view.name}: column {column.name} names no metric "
+                                   f"over {view.name} ({column.expr!r})")
+            if not all(views[view.name].measure(name).in_view
+                       for name in (ratio.numerator, *ratio.denominator)):
+                raise MetricsError(f"view {view.name}: column {column.name} divides a "
+                                   "measure the view does not carry")
 
 
 SETS, VIEWS, METRICS = load()
@@ -256,21 +312,6 @@ def silent_sql() -> str:
     return _sql_tuple(SILENT_OUTCOMES)
 
 
-def _check() -> None:
-    for metric in METRICS.values():  # every measure a metric names exists and adds up
-        metric.numerator_sql()
-        metric.denominator_sql()
-    for view in VIEWS.values():
-        for column in view.columns:
-            if column.kind == "metric" and METRICS.get(column.expr, None) is None:
-                raise MetricsError(f"view {view.name}: column {column.name} names no metric "
-                                   f"{column.expr!r}")
-            if column.kind == "metric" and METRICS[column.expr].view != view.name:
-                raise MetricsError(f"view {view.name}: metric {column.expr} is over "
-                                   f"{METRICS[column.expr].view}")
-
-
-_check()
 
 #: ``{{ FUNCTION NAME }}`` or ``{{ FUNCTION NAME | CONDITION }}``; the closing braces
 #: follow a space, so a condition may end in a query parameter ``{now:DateTime64(3, 'UTC')}``

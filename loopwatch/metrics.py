@@ -377,11 +377,26 @@ def views_sql() -> str:
     return VIEWS_HEADER + "".join(f"\n{view.sql()};\n" for view in VIEWS.values())
 
 
+def describe() -> str:
+    """Every metric: name, unit, numerator / denominator, grain, description."""
+    lines = []
+    for metric in METRICS.values():
+        where = metric.view if metric.in_view else f"{metric.table} (not in {metric.view} yet)"
+        lines += [f"{metric.name} [{metric.unit}] = {metric.numerator} / "
+                  f"{' + '.join(metric.denominator)} over {where}",
+                  f"    grain: {metric.grain}", f"    {metric.description}"]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str]) -> int:
     if argv == ["views"]:
         sys.stdout.write(views_sql())
         return 0
-    sys.stderr.write("usage: python -m loopwatch.metrics views  (the views' migration SQL)\n")
+    if argv == ["list"]:
+        sys.stdout.write(describe())
+        return 0
+    sys.stderr.write("usage: python -m loopwatch.metrics views|list  (the views' migration SQL, "
+                     "or every metric's definition)\n")
     return 2
 
 

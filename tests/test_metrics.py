@@ -377,3 +377,18 @@ def _data_files() -> list[Path]:
 def test_expand_leaves_sql_without_templates_alone():
     sql = "SELECT {now:DateTime64(3, 'UTC')} AS t, map('a', 1) AS m"
     assert expand(sql) == sql
+
+
+def test_the_module_lists_every_definition_and_refuses_other_arguments(capsys):
+    from loopwatch.metrics import main
+
+    assert main(["list"]) == 0
+    listed = capsys.readouterr().out
+    assert "cache_hit_rate [percentunit] = cache_read_input_tokens / cache_read_input_tokens" \
+        " + cache_creation_input_tokens + uncached_input_tokens over cache_metrics_1m" in listed
+    assert "loop_rate [percentunit] = loops / all_closed_runs over runs (not in run_metrics_1m" \
+        in listed
+    assert listed.count("    grain: ") == len(METRICS)
+    for argv in ([], ["views", "extra"], ["--drop"]):
+        assert main(argv) == 2
+        assert capsys.readouterr().err.count("\n") == 1

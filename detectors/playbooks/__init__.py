@@ -21,6 +21,7 @@ human or an external system it carries ``action`` text; a partial answer carries
 
 from __future__ import annotations
 
+import functools
 import re
 import tomllib
 from collections.abc import Iterable
@@ -262,14 +263,13 @@ def parse_playbook(text: str, origin: str, expected_name: str | None = None,
     )
 
 
-def load_playbooks() -> dict[str, Playbook]:
+def load_playbooks(rules: Iterable[Any] | None = None) -> dict[str, Playbook]:
     """Every shipped playbook by name, read through ``importlib.resources`` so it works
-    from a wheel as well as from a checkout, with the alerts the shipped rules route to it."""
-    from detectors.rules import load_rules
-
+    from a wheel as well as from a checkout, with the alerts that ``rules`` (the shipped
+    rules by default) route to it."""
     folder = resources.files(__name__)
     found: dict[str, Playbook] = {}
-    routes = routing(load_rules().values())
+    routes = dict(_shipped_routing() if rules is None else routing(rules))
     for entry in sorted(folder.iterdir(), key=lambda item: item.name):
         if not entry.name.endswith(".toml"):
             continue
@@ -280,6 +280,15 @@ def load_playbooks() -> dict[str, Playbook]:
     if routes:
         raise PlaybookError(f"rules route to playbooks that do not exist: {routes}")
     return found
+
+
+@functools.cache
+def _shipped_routing() -> dict[str, tuple[str, ...]]:
+    """The shipped rules' routing, parsed once: the engine loads the playbooks for every
+    alert's evidence, and rules.toml does not change under a running process."""
+    from detectors.rules import load_rules
+
+    return routing(load_rules().values())
 
 
 def routing(rules: Iterable[Any]) -> dict[str, tuple[str, ...]]:

@@ -19,8 +19,9 @@ from typing import Final
 
 from detectors.rules import Rule, load_rules
 
+#: names the file, not the module: the file stays where it is when the import path moves
 BEGIN: Final = ("<!-- rules table: generated from detectors/rules.toml by "
-                "`python -m detectors.ruletable --write README.md`; do not edit -->")
+                "detectors/ruletable.py (--write README.md); do not edit -->")
 END: Final = "<!-- end of the rules table -->"
 HEADER: Final = "| rule | fires when | severity | playbook |\n|---|---|---|---|"
 

@@ -21,9 +21,12 @@ from __future__ import annotations
 
 from typing import Final
 
+from loopwatch.core.metrics import METRICS as M
+from loopwatch.core.metrics import silent_sql
 from loopwatch.dashboards.model import Annotation, Panel, Threshold, Tier, TierId, Variable
 
-SILENT: Final = "('budget_exhausted', 'gave_up', 'looped', 'wrong')"
+#: the silent outcomes, from their one definition (loopwatch/core/metrics.toml)
+SILENT: Final = silent_sql()
 
 #: Outcome colours, the same in Grafana and the web view: green for success, red for
 #: exceptions, warm colours for the silent failures, grey for runs nobody finished.
@@ -112,7 +115,7 @@ WHERE status = 'running' AND {ALL_FILTERS}""",
         "silent_failure_ratio_now", "realtime", "Silent-failure ratio",
         "(budget_exhausted + gave_up + looped + wrong) / closed runs in the range: the "
         "failures an exception counter never sees.",
-        f"""SELECT sum(silent_failures) / nullIf(sum(closed_runs), 0) AS silent_failure_ratio
+        f"""SELECT {M["silent_failure_ratio"].over_view()} AS silent_failure_ratio
 FROM run_metrics_1m
 WHERE $__timeFilter(minute) AND {ALL_FILTERS}""",
         "stat", ("silent_failure_ratio",), unit="percentunit", thresholds=RATIO_ALARM,
@@ -155,8 +158,8 @@ ORDER BY time, outcome""",
         "If the silent line climbs while exceptions stay flat, the agents are failing "
         "quietly: loops, caps, give-ups and wrong answers.",
         f"""SELECT $__timeInterval(minute) AS time,
-       sum(silent_failures) / nullIf(sum(closed_runs), 0) AS silent_failure_ratio,
-       sum(hard_errors) / nullIf(sum(closed_runs), 0) AS exception_rate
+       {M["silent_failure_ratio"].over_view()} AS silent_failure_ratio,
+       {M["exception_rate"].over_view()} AS exception_rate
 FROM run_metrics_1m
 WHERE $__timeFilter(minute) AND {ALL_FILTERS}
 GROUP BY time
@@ -206,8 +209,8 @@ ORDER BY time""",
         "backoff, an error wave wants the fallback provider. Alert level 2%.",
         f"""SELECT $__timeInterval(ts) AS time,
        if(provider = '', 'unknown', provider) AS provider_name,
-       sum(is_error) / count() AS error_rate_excl_429,
-       sum(rate_limited) / count() AS rate_429
+       {M["llm_error_rate"].ratio()} AS error_rate_excl_429,
+       {M["llm_rate_429"].ratio()} AS rate_429
 FROM llm_calls FINAL
 WHERE $__timeFilter(ts) AND {ALL_FILTERS}
 GROUP BY time, provider_name
@@ -221,8 +224,7 @@ ORDER BY time, provider_name""",
         "cache_read / (cache_read + cache_creation + uncached input). An agent near 0 "
         "pays full price for every prompt: a silent cache miss.",
         f"""SELECT $__timeInterval(minute) AS time, agent,
-       sum(cache_read_input_tokens) / nullIf(sum(cache_read_input_tokens
-           + cache_creation_input_tokens + uncached_input_tokens), 0) AS cache_hit_rate
+       {M["cache_hit_rate"].over_view()} AS cache_hit_rate
 FROM cache_metrics_1m
 WHERE $__timeFilter(minute) AND {ALL_FILTERS}
 GROUP BY time, agent
@@ -233,7 +235,8 @@ ORDER BY time, agent""",
     Panel(
         "tool_error_rate", "realtime", "Tool error rate",
         "Errors and timeouts over calls, per tool. Alert level 5%.",
-        f"""SELECT $__timeInterval(minute) AS time, tool, sum(errors) / sum(calls) AS error_rate
+        f"""SELECT $__timeInterval(minute) AS time, tool,
+       {M["tool_error_rate"].over_view()} AS error_rate
 FROM tool_metrics_1m
 WHERE $__timeFilter(minute) AND {TOOL_FILTERS}
 GROUP BY time, tool
@@ -256,7 +259,7 @@ ORDER BY time, tool""",
         "Timeouts whose true duration was within 1.3x the timeout, over timeouts with a "
         "known duration: high means the timeout is set too low, not that the tool is down.",
         f"""SELECT $__timeInterval(minute) AS time, tool,
-       sum(near_misses) / nullIf(sum(timeouts_known_duration), 0) AS near_miss_ratio
+       {M["near_miss_ratio"].over_view()} AS near_miss_ratio
 FROM tool_metrics_1m
 WHERE $__timeFilter(minute) AND timeouts > 0 AND {TOOL_FILTERS}
 GROUP BY time, tool
@@ -267,10 +270,10 @@ ORDER BY time, tool""",
     Panel(
         "tool_health", "realtime", "Tools: error rate and latency p50 / p95 / p99",
         "Over the whole range, worst first.",
-        f"""SELECT tool, count() AS calls, sum(is_error) / calls AS error_rate,
+        f"""SELECT tool, count() AS calls, {M["tool_error_rate"].ratio()} AS error_rate,
        quantile(0.5)(latency_ms) AS p50_ms, quantile(0.95)(latency_ms) AS p95_ms,
-       quantile(0.99)(latency_ms) AS p99_ms, sum(timed_out) / calls AS timeout_rate,
-       countIf(near_miss = 1) / nullIf(countIf(near_miss IS NOT NULL), 0) AS near_miss_ratio
+       quantile(0.99)(latency_ms) AS p99_ms, {M["tool_timeout_rate"].ratio()} AS timeout_rate,
+       {M["near_miss_ratio"].ratio()} AS near_miss_ratio
 FROM tool_calls FINAL
 WHERE $__timeFilter(ts) AND {ALL_FILTERS}
 GROUP BY tool
@@ -317,8 +320,8 @@ ORDER BY time, outcome""",
         "All spend, failures included, over the runs that succeeded, beside the plain "
         "cost per run: the gap is what failures cost each success.",
         f"""SELECT {bucket("minute")} AS time,
-       sum(cost_usd) / nullIf(sum(successes), 0) AS cost_per_successful_run,
-       sum(cost_usd) / nullIf(sum(closed_runs), 0) AS cost_per_run
+       {M["cost_per_successful_run"].over_view()} AS cost_per_successful_run,
+       {M["cost_per_run"].over_view()} AS cost_per_run
 FROM run_metrics_1m
 WHERE $__timeFilter(minute) AND {ALL_FILTERS}
 GROUP BY time
@@ -332,7 +335,7 @@ ORDER BY time""",
         "Runs, total and mean cost per outcome over the range, and each outcome's share "
         "of the spend.",
         f"""SELECT outcome, sum(runs) AS total_runs, sum(cost_usd) AS spend_usd,
-       spend_usd / total_runs AS mean_cost_usd,
+       {M["cost_per_outcome"].over_view()} AS mean_cost_usd,
        spend_usd / sum(spend_usd) OVER () AS share_of_spend
 FROM outcomes_1m
 WHERE $__timeFilter(minute) AND outcome != 'unknown' AND {ALL_FILTERS}
@@ -352,7 +355,7 @@ ORDER BY spend_usd DESC, outcome""",
        sumIf(runs, outcome = 'looped') AS looped, sumIf(runs, outcome = 'wrong') AS wrong,
        sumIf(runs, outcome = 'budget_exhausted') AS budget_exhausted,
        sumIf(runs, outcome = 'gave_up') AS gave_up, sumIf(runs, outcome = 'abandoned') AS abandoned,
-       sum(cost_usd) / total_runs AS mean_cost_usd
+       {M["cost_per_outcome"].over_view()} AS mean_cost_usd
 FROM outcomes_1m
 WHERE $__timeFilter(minute) AND outcome != 'unknown' AND {ALL_FILTERS}
 GROUP BY model, prompt_version
@@ -367,8 +370,8 @@ ORDER BY total_runs DESC, model, prompt_version""",
         "silent_failure_trend", "trends", "Silent-failure ratio vs exception rate",
         "The same pair as the real-time view, over days: a slow drift shows here first.",
         f"""SELECT {bucket("minute")} AS time,
-       sum(silent_failures) / nullIf(sum(closed_runs), 0) AS silent_failure_ratio,
-       sum(hard_errors) / nullIf(sum(closed_runs), 0) AS exception_rate
+       {M["silent_failure_ratio"].over_view()} AS silent_failure_ratio,
+       {M["exception_rate"].over_view()} AS exception_rate
 FROM run_metrics_1m
 WHERE $__timeFilter(minute) AND {ALL_FILTERS}
 GROUP BY time
@@ -404,8 +407,7 @@ ORDER BY min(steps)""",
         "A prompt version or deployment whose line sits near 0 misses the cache on "
         "every call (a volatile prefix, a reordered tool list).",
         f"""SELECT {bucket("minute")} AS time, prompt_version, deployment,
-       sum(cache_read_input_tokens) / nullIf(sum(cache_read_input_tokens
-           + cache_creation_input_tokens + uncached_input_tokens), 0) AS cache_hit_rate
+       {M["cache_hit_rate"].over_view()} AS cache_hit_rate
 FROM cache_metrics_1m
 WHERE $__timeFilter(minute) AND {ALL_FILTERS}
 GROUP BY time, prompt_version, deployment

@@ -25,6 +25,8 @@ from typing import Any, Literal
 
 from scipy.stats import binom
 
+from loopwatch.core.metrics import MetricsError, expand
+
 Severity = Literal["critical", "warning", "info"]
 FindingState = Literal["active", "inactive", "too_few_samples", "waiting_for_history"]
 SEVERITIES: tuple[str, ...] = ("critical", "warning", "info")
@@ -162,6 +164,11 @@ def _rule(raw: dict[str, Any]) -> Rule:
         for item in (dict(o) for o in raw.pop("overrides", []))
     )
     raw["labels"] = tuple(raw.get("labels", ()))
+    if "sql" in raw:
+        try:
+            raw["sql"] = expand(raw["sql"])
+        except MetricsError as exc:
+            raise ValueError(f"rule {name}: {exc}") from exc
     rule = Rule(overrides=overrides, **_fields(raw))
     if rule.severity not in SEVERITIES:
         raise ValueError(f"rule {name}: severity must be one of {SEVERITIES}")

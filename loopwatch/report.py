@@ -1,37 +1,52 @@
-"""Per-agent summary of the four core metrics, read from the per-minute views.
+"""Per-agent summary of the core metrics, read from the per-minute views.
 
-Ratios are re-aggregated as sum(numerator) / sum(denominator) over the views, so the
-formulas live in one place (the migrations); a ratio with no denominator is None.
+Each ratio is its one definition in ``loopwatch/core/metrics.toml``, re-aggregated over the
+views as sum(numerator) / sum(denominator) and divided here; a ratio with no denominator
+is None.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from typing import Any, Final
 
+from loopwatch.core.metrics import METRICS, Metric
 from loopwatch.ingest.events import OUTCOMES
 from loopwatch.store.reader import Reader
 
-RUNS_SQL = """
-SELECT agent, sum(closed_runs), sum(silent_failures), sum(hard_errors), sum(successes),
-       sum(cost_usd)
-FROM run_metrics_1m GROUP BY agent
-"""
-OUTCOMES_SQL = """
-SELECT agent, outcome, sum(runs), sum(cost_usd) FROM outcomes_1m GROUP BY agent, outcome
-"""
-TOOLS_SQL = """
-SELECT agent, sum(near_misses), sum(timeouts_known_duration) FROM tool_metrics_1m GROUP BY agent
-"""
-CACHE_SQL = """
-SELECT agent, sum(cache_read_input_tokens),
-       sum(cache_read_input_tokens + cache_creation_input_tokens + uncached_input_tokens)
-FROM cache_metrics_1m GROUP BY agent
-"""
+#: report key -> metric, per agent (the report's keys are older than the metric names)
+REPORTED: Final[dict[str, str]] = {
+    "silent_failure_ratio": "silent_failure_ratio",
+    "exception_rate": "exception_rate",
+    "cost_per_successful_run": "cost_per_successful_run",
+    "near_miss_timeout_ratio": "near_miss_ratio",
+    "cache_hit_rate": "cache_hit_rate",
+}
+#: per agent and outcome
+PER_OUTCOME: Final = METRICS["cost_per_outcome"]
 
 
-def ratio(numerator: float, denominator: float) -> float | None:
-    return None if not denominator else float(numerator) / float(denominator)
+def _sums(metric: Metric) -> str:
+    return f"sum({metric.numerator}), sum({' + '.join(metric.denominator)})"
+
+
+def metric_sql(keys: list[str]) -> str:
+    """One query over the view the metrics share: agent, then (numerator, denominator)
+    sums per metric, in ``keys``' order."""
+    metrics = [METRICS[REPORTED[key]] for key in keys]
+    return (f"SELECT agent, {', '.join(_sums(metric) for metric in metrics)}\n"
+            f"FROM {metrics[0].view} GROUP BY agent")
+
+
+def _by_view() -> dict[str, list[str]]:
+    views: dict[str, list[str]] = {}
+    for key, name in REPORTED.items():
+        views.setdefault(METRICS[name].view, []).append(key)
+    return views
+
+
+OUTCOMES_SQL: Final = (f"SELECT agent, outcome, sum(runs), {_sums(PER_OUTCOME)}\n"
+                       f"FROM {PER_OUTCOME.view} GROUP BY agent, outcome")
 
 
 def fleet_report(reader: Reader) -> dict[str, Any]:
@@ -45,20 +60,16 @@ def fleet_report(reader: Reader) -> dict[str, Any]:
         "cost_per_outcome": {},
         "cost_per_successful_run": None,
     })
-    for agent, outcome, runs, cost in reader.query(OUTCOMES_SQL).rows:
+    for agent, outcome, runs, numerator, denominator in reader.query(OUTCOMES_SQL).rows:
         entry = agents[agent]
         entry["runs"] += int(runs)
         entry["outcomes"][outcome] = int(runs)
-        entry["cost_per_outcome"][outcome] = ratio(cost, runs)
-    for agent, closed, silent, hard, successes, cost in reader.query(RUNS_SQL).rows:
-        entry = agents[agent]
-        entry["silent_failure_ratio"] = ratio(silent, closed)
-        entry["exception_rate"] = ratio(hard, closed)
-        entry["cost_per_successful_run"] = ratio(cost, successes)
-    for agent, near_misses, known in reader.query(TOOLS_SQL).rows:
-        agents[agent]["near_miss_timeout_ratio"] = ratio(near_misses, known)
-    for agent, read, total in reader.query(CACHE_SQL).rows:
-        agents[agent]["cache_hit_rate"] = ratio(read, total)
+        entry["cost_per_outcome"][outcome] = PER_OUTCOME.value(numerator, denominator)
+    for keys in _by_view().values():
+        for agent, *sums in reader.query(metric_sql(keys)).rows:
+            for index, key in enumerate(keys):
+                agents[agent][key] = METRICS[REPORTED[key]].value(sums[2 * index],
+                                                                  sums[2 * index + 1])
     for entry in agents.values():
         entry["outcomes"] = {name: entry["outcomes"].get(name, 0) for name in OUTCOMES
                              if name != "unknown" or entry["outcomes"].get(name)}

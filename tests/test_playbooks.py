@@ -25,6 +25,7 @@ from loopwatch.detectors.playbooks import (
     load_playbooks,
     parse_playbook,
     render_markdown,
+    routing,
 )
 from loopwatch.detectors.rules import load_rules
 from loopwatch.ingest.events import (
@@ -87,6 +88,7 @@ def test_every_playbook_is_complete(books):
         assert len(book.steps) >= 3, name
         assert len(book.sql_steps) >= 1, name
         assert book.symptoms and book.mitigation and book.prevention and book.source, name
+        assert book.alerts, name  # some rule routes to it
         assert set(book.alerts) <= ALERT_RULES, (name, set(book.alerts) - ALERT_RULES)
         for step in book.steps:
             assert step.sql or step.action, (name, step.title)
@@ -102,12 +104,26 @@ def test_severities_follow_the_seed(books):
 
 
 def test_rules_and_playbooks_route_to_each_other(books):
-    """One routing, seen from both sides: a rule names its playbook, which lists the rule."""
+    """One routing, stated once by the rules (``rule.playbook``) and derived for the
+    playbooks (``playbook.alerts``, in the rules' order), seen from both sides."""
     for rule in RULES.values():
         assert rule.name in books[rule.playbook].alerts, (rule.name, rule.playbook)
     for book in books.values():
         for alert in book.alerts:
             assert RULES[alert].playbook == book.name, (book.name, alert)
+    assert books["agent_stuck_in_loop"].alerts == ("stuck_run", "loop_rate_critical",
+                                                  "loop_rate_warning")
+    assert routing(RULES.values()) == {name: book.alerts for name, book in books.items()}
+
+
+def test_a_rule_routed_to_a_missing_playbook_stops_the_load():
+    import dataclasses
+
+    stray = dataclasses.replace(RULES["stuck_run"], name="stray", playbook="no_such_book")
+    stray_route = re.escape("do not exist: {'no_such_book': ('stray',)}")
+    with pytest.raises(PlaybookError, match=stray_route):
+        load_playbooks([*RULES.values(), stray])
+    assert load_playbooks(RULES.values()) == load_playbooks()
 
 
 def test_sql_is_read_only_reads_base_tables_with_final_and_filters_agents(books):
@@ -144,7 +160,6 @@ severity = "warning"
 source = ["seed"]
 summary = "s"
 symptoms = ["x"]
-alerts = ["stuck_run"]
 mitigation = ["m"]
 prevention = ["p"]
 
@@ -170,6 +185,10 @@ def test_a_valid_playbook_parses():
     (VALID.replace('sql = "SELECT 1 WHERE run_id = {run_id:String}"', ""), "needs `sql` or"),
     (VALID.replace('mitigation = ["m"]', "") + 'mitigation = ["m"]\n', "write top-level keys"),
     (VALID.replace("summary", "sumary"), "unknown field(s) ['sumary']"),
+    (VALID.replace('mitigation = ["m"]', 'alerts = ["stuck_run"]\nmitigation = ["m"]'),
+     "a playbook does not list its alerts: each rule names its playbook"),
+    (VALID.replace("SELECT 1 WHERE", "SELECT {{ ratio nope }} WHERE"),
+     "steps[0].sql: '{{ ratio nope }}': no metric 'nope'"),
     (VALID.replace('symptoms = ["x"]', "symptoms = []"), "symptoms must be a non-empty list"),
     ("name = ", "not valid TOML"),
 ])

@@ -21,11 +21,15 @@ human or an external system it carries ``action`` text; a partial answer carries
 
 from __future__ import annotations
 
+import functools
 import re
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Final
+
+from loopwatch.core.metrics import MetricsError, expand
 
 __all__ = [
     "PARAMETERS",
@@ -36,6 +40,7 @@ __all__ = [
     "load_playbooks",
     "parse_playbook",
     "render_markdown",
+    "routing",
 ]
 
 SEVERITIES: Final[tuple[str, ...]] = ("critical", "warning", "info")
@@ -63,7 +68,6 @@ _PLAYBOOK_KEYS: Final[dict[str, bool]] = {  # key -> required
     "source": True,
     "summary": True,
     "symptoms": True,
-    "alerts": True,
     "steps": True,
     "mitigation": True,
     "prevention": True,
@@ -170,6 +174,14 @@ def _check_sql(sql: str, where: str, origin: str) -> str:
     return sql
 
 
+def _expand(sql: str, where: str, origin: str) -> str:
+    """The step's metric templates rendered from their one definition (loopwatch/metrics)."""
+    try:
+        return expand(sql)
+    except MetricsError as exc:
+        raise PlaybookError(f"{origin}: {where}.sql: {exc}") from exc
+
+
 def _step(table: Any, index: int, origin: str) -> Step:
     where = f"steps[{index}]"
     if not isinstance(table, dict):
@@ -182,8 +194,8 @@ def _step(table: Any, index: int, origin: str) -> Step:
     return Step(
         title=_string(table["title"], f"{where}.title", origin),
         why=_string(table["why"], f"{where}.why", origin),
-        sql=None if sql is None else _check_sql(_string(sql, f"{where}.sql", origin),
-                                                where, origin),
+        sql=None if sql is None else _check_sql(_expand(_string(sql, f"{where}.sql", origin),
+                                                        where, origin), where, origin),
         action=None if action is None else _string(action, f"{where}.action", origin),
     )
 
@@ -199,8 +211,11 @@ def _hint_misplaced_keys(data: dict[str, Any], origin: str) -> None:
                                 "table; write top-level keys before the first [[steps]]")
 
 
-def parse_playbook(text: str, origin: str, expected_name: str | None = None) -> Playbook:
+def parse_playbook(text: str, origin: str, expected_name: str | None = None,
+                   alerts: tuple[str, ...] = ()) -> Playbook:
     """Parse and validate one playbook; ``origin`` (the file name) prefixes every error.
+    ``alerts`` are the rules that route to it: routing is stated once, by the rules
+    (``playbook = ...`` in ``detectors/rules.toml``), and :func:`load_playbooks` derives it.
 
     >>> parse_playbook('name = "x"', "x.toml")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
@@ -212,6 +227,10 @@ def parse_playbook(text: str, origin: str, expected_name: str | None = None) -> 
     except tomllib.TOMLDecodeError as exc:
         raise PlaybookError(f"{origin}: not valid TOML: {exc}") from exc
     _hint_misplaced_keys(data, origin)
+    if "alerts" in data:
+        raise PlaybookError(f"{origin}: a playbook does not list its alerts: each rule names "
+                            "its playbook (`playbook = ...` in detectors/rules.toml), and the "
+                            "playbook's alerts are derived from the rules")
     _check_keys(data, _PLAYBOOK_KEYS, "playbook", origin)
     name = _string(data["name"], "name", origin)
     if not _NAME.match(name):
@@ -222,7 +241,6 @@ def parse_playbook(text: str, origin: str, expected_name: str | None = None) -> 
     severity = _string(data["severity"], "severity", origin)
     if severity not in SEVERITIES:
         raise PlaybookError(f"{origin}: severity {severity!r} is not one of {list(SEVERITIES)}")
-    alerts = _strings(data["alerts"], "alerts", origin)
     for alert in alerts:
         if not _NAME.match(alert):
             raise PlaybookError(f"{origin}: alert {alert!r} must be a snake_case rule name")
@@ -245,18 +263,40 @@ def parse_playbook(text: str, origin: str, expected_name: str | None = None) -> 
     )
 
 
-def load_playbooks() -> dict[str, Playbook]:
+def load_playbooks(rules: Iterable[Any] | None = None) -> dict[str, Playbook]:
     """Every shipped playbook by name, read through ``importlib.resources`` so it works
-    from a wheel as well as from a checkout."""
+    from a wheel as well as from a checkout, with the alerts that ``rules`` (the shipped
+    rules by default) route to it."""
     folder = resources.files(__name__)
     found: dict[str, Playbook] = {}
+    routes = dict(_shipped_routing() if rules is None else routing(rules))
     for entry in sorted(folder.iterdir(), key=lambda item: item.name):
         if not entry.name.endswith(".toml"):
             continue
         stem = entry.name.removesuffix(".toml")
         found[stem] = parse_playbook(entry.read_text(encoding="utf-8"),
-                                     f"detectors/playbooks/{entry.name}", expected_name=stem)
+                                     f"detectors/playbooks/{entry.name}", expected_name=stem,
+                                     alerts=routes.pop(stem, ()))
+    if routes:
+        raise PlaybookError(f"rules route to playbooks that do not exist: {routes}")
     return found
+
+
+@functools.cache
+def _shipped_routing() -> dict[str, tuple[str, ...]]:
+    """The shipped rules' routing, parsed once: the engine loads the playbooks for every
+    alert's evidence, and rules.toml does not change under a running process."""
+    from loopwatch.detectors.rules import load_rules
+
+    return routing(load_rules().values())
+
+
+def routing(rules: Iterable[Any]) -> dict[str, tuple[str, ...]]:
+    """Playbook -> the rules that name it (``rule.playbook``), in the rules' order."""
+    routes: dict[str, list[str]] = {}
+    for rule in rules:
+        routes.setdefault(rule.playbook, []).append(rule.name)
+    return {name: tuple(names) for name, names in routes.items()}
 
 
 def _bullets(items: tuple[str, ...]) -> list[str]:

@@ -512,6 +512,7 @@ def _register_parts() -> None:
     """Commands that live with their parts (ingest, dashboards) join the main CLI here."""
     from bench.cli import register as register_bench
     from dashboards.cli import register as register_dashboards
+    from detectors.advisors.cli import register as register_advisors
     from ingest.cli import register as register_ingest
     from loopwatch.replay.cli import register as register_replay
 
@@ -519,6 +520,7 @@ def _register_parts() -> None:
     register_dashboards(app)
     register_bench(app)
     register_replay(app)
+    register_advisors(app)
 
 
 _register_parts()

@@ -1,0 +1,113 @@
+"""Advisors: each against its seed vector (exact values), then through the real stack
+(session broker + ``up`` + chdb) on its scenario, and never on clean traffic."""
+
+from __future__ import annotations
+
+import json
+import random
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from detectors.advisors import advise
+from detectors.advisors.base import Scope, sort_findings
+from detectors.advisors.cli import findings_json
+from detectors.advisors.timeout import HUNG, CostCurve, Rates, bin_ms, round_up
+from loopwatch.config import AdvisorSettings
+from loopwatch.scenarios.traffic import Behaviour
+from tests.advisor_traffic import behaviour_of, emit_all, scenario_events
+
+SETTINGS = AdvisorSettings()
+
+
+def _tmo_durations(trials: int = 20_000, seed: int = 7) -> list[tuple[float, int]]:
+    """The seed post's sampler, as it wrote it (timeout-is-a-bet.txt)."""
+    rng = random.Random(seed)
+    found = []
+    for _ in range(trials):
+        r = rng.random()
+        if r < 0.85:
+            d = rng.uniform(1, 6)
+        elif r < 0.95:
+            d = rng.uniform(6, 30)
+        else:
+            d = rng.uniform(120, 300)
+        found.append((d, 1))
+    return found
+
+
+def test_timeout_cost_curve_matches_the_tmo_vector():
+    curve = CostCurve(_tmo_durations(), Rates(0.002, 0.10, 1.2))
+    costs = [round(curve.cost(t), 4) for t in (5, 10, 15, 20, 30, 45, 60)]
+    assert costs == [0.0457, 0.0247, 0.0235, 0.0222, 0.0184, 0.0199, 0.0214]
+    assert round_up(curve.optimum()) == 30.0
+
+
+def test_timeout_curve_counts_unknown_true_durations_as_hung():
+    curve = CostCurve([(1.0, 3), (HUNG, 1)], Rates(0.002, 0.10, 1.2))
+    assert curve.cost(2.0) == pytest.approx((3 * 0.002 + 0.002 * 2 + 0.12) / 4)
+    assert curve.optimum() == 1.0
+
+
+def _scope(agent: str, start: datetime, hours: float) -> Scope:
+    return Scope(start, start + timedelta(hours=hours), agent)
+
+
+def _expected_timeouts_ms(events, rates: Rates) -> dict[str, float]:
+    """Per tool, the pure computation over the emitted events, binned as the advisor's
+    SQL bins them."""
+    durations: dict[str, list[tuple[float, int]]] = {}
+    for event in events:
+        if getattr(event, "event_type", "") != "tool.call":
+            continue
+        true_ms = event.late_completion_ms if event.timed_out else event.latency_ms
+        value = HUNG if true_ms is None else bin_ms(true_ms) / 1000
+        durations.setdefault(event.tool, []).append((value, 1))
+    return {tool: round_up(CostCurve(values, rates).optimum()) * 1000
+            for tool, values in durations.items()}
+
+
+def test_timeout_recommender_on_its_scenario_through_the_stack(emitter, reader, agent):
+    start = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=3)
+    events = scenario_events(agent, behaviour_of("timeout_too_low"), start, hours=1)
+    emit_all(emitter, reader, agent, events)
+    found = advise(reader, _scope(agent, start, 1), SETTINGS)
+    timeouts = {f.subject: f for f in found if f.kind == "timeout"}
+    expected = _expected_timeouts_ms(events, Rates())
+    assert set(timeouts) == set(expected) == {"search", "fetch", "lookup"}
+    for tool, finding in timeouts.items():
+        assert finding.agent == agent
+        assert finding.evidence["timeout_ms"] == 330.0
+        assert finding.evidence["recommended_timeout_ms"] == expected[tool]
+        assert finding.recommendation.startswith(f"Raise {tool}'s timeout from 0.33 s to ")
+        assert finding.saving_usd_per_day is not None and finding.saving_usd_per_day > 0
+        assert f"'{agent}'" in finding.query and f"'{tool}'" in finding.query
+        rows = reader.query(finding.query).records()
+        assert rows[0]["calls"] == finding.evidence["calls"]
+        assert rows[0]["timeouts"] == finding.evidence["timeouts"]
+
+
+def test_no_timeout_finding_on_clean_traffic(emitter, reader, agent):
+    start = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=5)
+    events = scenario_events(agent, Behaviour(), start, hours=1)
+    emit_all(emitter, reader, agent, events)
+    found = advise(reader, _scope(agent, start, 1), SETTINGS)
+    assert [f for f in found if f.kind == "timeout"] == []
+
+
+def test_findings_sort_by_saving_and_json_has_the_issue_shape():
+    from detectors.advisors.base import Finding
+
+    def make(kind, subject, saving):
+        return Finding(kind=kind, agent="a", subject=subject, evidence={"n": 1},
+                       recommendation="r", saving_usd_per_day=saving, query="SELECT 1",
+                       recommended=5.0)
+
+    findings = sort_findings([make("judge_agreement", "j", None), make("timeout", "t", 2.0),
+                              make("cache", "c", 7.5)])
+    payload = json.loads(findings_json(findings))
+    assert list(payload) == ["findings"]
+    assert [f["subject"] for f in payload["findings"]] == ["c", "t", "j"]
+    assert set(payload["findings"][0]) == {"kind", "agent", "subject", "evidence",
+                                           "recommendation", "saving_usd_per_day", "query"}
+    assert payload["findings"][2]["saving_usd_per_day"] is None

@@ -12,9 +12,11 @@ import pytest
 from detectors.advisors import advise
 from detectors.advisors.base import Scope, sort_findings
 from detectors.advisors.cli import findings_json
+from detectors.advisors.retry import Amplification
 from detectors.advisors.timeout import HUNG, CostCurve, Rates, bin_ms, round_up
 from loopwatch.config import AdvisorSettings
 from loopwatch.scenarios.traffic import Behaviour
+from processors.pricing import PriceTable
 from tests.advisor_traffic import behaviour_of, emit_all, scenario_events
 
 SETTINGS = AdvisorSettings()
@@ -53,12 +55,12 @@ def _scope(agent: str, start: datetime, hours: float) -> Scope:
     return Scope(start, start + timedelta(hours=hours), agent)
 
 
-def _expected_timeouts_ms(events, rates: Rates) -> dict[str, float]:
-    """Per tool, the pure computation over the emitted events, binned as the advisor's
-    SQL bins them."""
+def _expected_timeouts_ms(events, rates: Rates, until: datetime) -> dict[str, float]:
+    """Per tool, the pure computation over the emitted events before ``until``, binned
+    as the advisor's SQL bins them."""
     durations: dict[str, list[tuple[float, int]]] = {}
     for event in events:
-        if getattr(event, "event_type", "") != "tool.call":
+        if event.event_type != "tool.call" or event.ts >= until:
             continue
         true_ms = event.late_completion_ms if event.timed_out else event.latency_ms
         value = HUNG if true_ms is None else bin_ms(true_ms) / 1000
@@ -73,7 +75,7 @@ def test_timeout_recommender_on_its_scenario_through_the_stack(emitter, reader, 
     emit_all(emitter, reader, agent, events)
     found = advise(reader, _scope(agent, start, 1), SETTINGS)
     timeouts = {f.subject: f for f in found if f.kind == "timeout"}
-    expected = _expected_timeouts_ms(events, Rates())
+    expected = _expected_timeouts_ms(events, Rates(), start + timedelta(hours=1))
     assert set(timeouts) == set(expected) == {"search", "fetch", "lookup"}
     for tool, finding in timeouts.items():
         assert finding.agent == agent
@@ -111,3 +113,61 @@ def test_findings_sort_by_saving_and_json_has_the_issue_shape():
     assert set(payload["findings"][0]) == {"kind", "agent", "subject", "evidence",
                                            "recommendation", "saving_usd_per_day", "query"}
     assert payload["findings"][2]["saving_usd_per_day"] is None
+
+
+# -- retry amplification -----------------------------------------------------------
+
+def test_retry_amplification_matches_the_pm400_vector():
+    prices = PriceTable.load()
+    call_cost = prices.cost("claude-sonnet-4", 6000, 400, 0, 0).cost_usd
+    layers = Amplification(tool=5, model=5, job=3)
+    assert layers.attempts_per_item == 75
+    assert layers.model_calls_per_item == 15
+    assert round(call_cost, 6) == 0.024
+    assert round(layers.item_cost(call_cost), 6) == 0.36
+    assert round(layers.item_cost(call_cost) * 550, 6) == 198.0
+
+
+def _expected_wasted(events, prices: PriceTable, until: datetime) -> float:
+    """Permanent-error model spend after each operation's first, per work item, over
+    the calls before ``until`` (the window's end)."""
+    events = [e for e in events if e.ts < until]
+    item_of = {e.run_id: (e.job_id or e.run_id) for e in events if e.event_type == "run.start"}
+    calls: dict[tuple[str, str], list[float]] = {}
+    for e in events:
+        if e.event_type == "llm.call" and e.http_status and 400 <= e.http_status < 500 \
+                and e.http_status not in (408, 429):
+            cost = prices.cost(e.model, e.input_tokens, e.output_tokens,
+                               e.cache_read_input_tokens, e.cache_creation_input_tokens).cost_usd
+            calls.setdefault((item_of[e.run_id], str(e.step)), []).append(cost)
+    return sum(sum(c) * (len(c) - 1) / len(c) for c in calls.values() if len(c) > 1)
+
+
+@pytest.mark.parametrize(("scenario", "job"), [("retry_storm_permanent_400", 1),
+                                               ("retry_amplification_nested", 3)])
+def test_retry_auditor_on_its_scenario_through_the_stack(emitter, reader, agent,
+                                                         scenario, job):
+    start = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=7)
+    events = scenario_events(agent, behaviour_of(scenario), start, hours=0.5)
+    emit_all(emitter, reader, agent, events)
+    found = [f for f in advise(reader, _scope(agent, start, 0.5), SETTINGS)
+             if f.kind == "retry_amplification"]
+    assert len(found) == 1
+    finding = found[0]
+    assert (finding.agent, finding.subject) == (agent, "permanent_errors")
+    assert finding.evidence["layers"] == {"tool": 1, "model": 5, "job": job}
+    assert finding.evidence["worst_case_attempts_per_item"] == 5 * job
+    assert finding.evidence["wasted_usd_in_window"] == round(
+        _expected_wasted(events, PriceTable.load(), start + timedelta(hours=0.5)), 6)
+    assert finding.saving_usd_per_day is not None and finding.saving_usd_per_day > 0
+    assert f"= {5 * job} attempts per item" in finding.recommendation
+    rows = reader.query(finding.query).records()
+    assert rows[0]["layer"] == "model" and rows[0]["http_status"] == 400
+
+
+def test_no_retry_finding_on_clean_traffic(emitter, reader, agent):
+    start = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=9)
+    events = scenario_events(agent, Behaviour(), start, hours=0.5)
+    emit_all(emitter, reader, agent, events)
+    found = advise(reader, _scope(agent, start, 0.5), SETTINGS)
+    assert found == []

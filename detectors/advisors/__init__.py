@@ -12,13 +12,14 @@ import logging
 from datetime import UTC, datetime, timedelta
 
 from detectors.advisors.base import Advisor, Context, Finding, Scope, sort_findings
+from detectors.advisors.retry import RetryAdvisor
 from detectors.advisors.timeout import TimeoutAdvisor
 from loopwatch.config import AdvisorSettings
 from loopwatch.store.reader import Reader
 
 log = logging.getLogger(__name__)
 
-ADVISORS: tuple[Advisor, ...] = (TimeoutAdvisor(),)
+ADVISORS: tuple[Advisor, ...] = (TimeoutAdvisor(), RetryAdvisor())
 
 
 def advise(reader: Reader, scope: Scope, settings: AdvisorSettings,

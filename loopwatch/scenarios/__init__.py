@@ -48,7 +48,7 @@ def load_scenarios() -> dict[str, Scenario]:
 
     >>> scenarios = load_scenarios()
     >>> len(scenarios), scenarios["rate_limit_storm"].expected
-    (11, ('rate_limit_storm',))
+    (12, ('rate_limit_storm',))
     """
     text = resources.files("loopwatch.scenarios").joinpath("library.toml").read_text()
     found: dict[str, Scenario] = {}

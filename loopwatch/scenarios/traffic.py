@@ -38,6 +38,9 @@ class Behaviour:
     tool_median_ms: float = 300.0
     rate_limit_share: float = 0.001
     permanent_400_attempts: int = 0
+    #: an orchestrator re-queues each run this many more times, as new runs sharing its
+    #: ``job_id`` (the job layer of retry amplification)
+    job_retries: int = 0
     response_model: str = "claude-sonnet-4-20260901"
     output_tokens: tuple[int, int] = (80, 400)
 
@@ -80,10 +83,21 @@ class Traffic:
                 behaviour = agent.behaviour
                 if injection and injection.agent == agent.name and moment >= injection.at:
                     behaviour = injection.behaviour
-                yield from self._run(agent, behaviour, moment, rng)
+                if behaviour.job_retries:
+                    yield from self._job(agent, behaviour, moment, rng)
+                else:
+                    yield from self._run(agent, behaviour, moment, rng)
 
-    def _run(self, agent: Agent, b: Behaviour, start: datetime,
+    def _job(self, agent: Agent, b: Behaviour, start: datetime,
              rng: random.Random) -> Iterator[EventBase]:
+        """One work item run ``1 + job_retries`` times, a minute apart."""
+        job_id = uuid.UUID(int=rng.getrandbits(128)).hex
+        for attempt in range(1 + b.job_retries):
+            yield from self._run(agent, b, start + timedelta(minutes=attempt), rng,
+                                 {"job_id": job_id, "job_attempt": attempt + 1})
+
+    def _run(self, agent: Agent, b: Behaviour, start: datetime, rng: random.Random,
+             job: dict[str, object] | None = None) -> Iterator[EventBase]:
         run_id = uuid.UUID(int=rng.getrandbits(128)).hex
         common = {"run_id": run_id, "agent": agent.name, "model": agent.model,
                   "task_type": "support", "prompt_version": "v1", "deployment": "d1"}
@@ -99,7 +113,7 @@ class Traffic:
             draw -= share
         steps = rng.randint(*agent.steps) + (4 if fate in ("looped", "budget") else 0)
         clock = start
-        yield RunStart(ts=clock, step_cap=12, **common)
+        yield RunStart(ts=clock, step_cap=12, **common, **(job or {}))  # type: ignore[arg-type]
         for number in range(steps):
             clock += timedelta(seconds=rng.uniform(2, 6))
             yield Step(ts=clock, step=number, **common)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import astuple
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from detectors.advisors import advise
 from detectors.advisors.base import Scope, sort_findings
+from detectors.advisors.cache import CallSums, modeled_cost, sums_of_run
 from detectors.advisors.cli import findings_json
 from detectors.advisors.retry import Amplification
 from detectors.advisors.timeout import HUNG, CostCurve, Rates, bin_ms, round_up
@@ -171,3 +173,72 @@ def test_no_retry_finding_on_clean_traffic(emitter, reader, agent):
     emit_all(emitter, reader, agent, events)
     found = advise(reader, _scope(agent, start, 0.5), SETTINGS)
     assert found == []
+
+
+# -- cache doctor ------------------------------------------------------------------
+
+def test_cache_doctor_matches_the_cache_vector():
+    prices = PriceTable.load()
+    calls = [(6000 + 400 * k, 0, 20.0) for k in range(15)]
+    uncached = sum(prices.cost("claude-sonnet-4", tokens, 0, 0, 0).cost_usd
+                   for tokens, _, _ in calls)
+    sums = sums_of_run(calls, 300)
+    assert sum(tokens for tokens, _, _ in calls) == 132_000
+    assert round(uncached, 4) == 0.396
+    assert round(modeled_cost(prices, "claude-sonnet-4", sums, "5m"), 4) == 0.1737
+    # the parts: $0.0225 write + $0.0252 reads + $0.126 uncached
+    assert (sums.stable_first, sums.stable_in_ttl) == (6000, 84_000)
+
+
+def test_cache_doctor_prices_ttl_gaps_at_both_ttls():
+    prices = PriceTable.load()
+    calls = [(6000 + 400 * k, 0, 600.0 if k else 0.0) for k in range(15)]  # 10 min apart
+    sums = sums_of_run(calls, 300)
+    assert (sums.stable_first, sums.stable_gap_to_1h) == (6000, 84_000)
+    five = modeled_cost(prices, "claude-sonnet-4", sums, "5m")
+    hour = modeled_cost(prices, "claude-sonnet-4", sums, "1h")
+    # 5 min: every call writes again (1.25x); 1 h: one write at 2x, 14 reads
+    assert round(five, 6) == round((90_000 * 3.75 + 42_000 * 3) / 1e6, 6)
+    assert round(hour, 6) == round((6000 * 6 + 84_000 * 0.3 + 42_000 * 3) / 1e6, 6)
+
+
+def _expected_cache(events, prices: PriceTable, until: datetime) -> tuple[float, float]:
+    """Observed and cached (5 min) spend of the successful model calls before ``until``."""
+    runs: dict[str, list] = {}
+    for e in events:
+        if e.event_type == "llm.call" and e.ts < until and not e.is_error \
+                and e.http_status != 429:
+            runs.setdefault(e.run_id, []).append(e)
+    observed, total = 0.0, CallSums(0, 0, 0, 0, 0, 0)
+    for calls in runs.values():
+        calls.sort(key=lambda e: e.ts)
+        observed += sum(prices.cost(e.model, e.input_tokens, e.output_tokens,
+                                    e.cache_read_input_tokens,
+                                    e.cache_creation_input_tokens).cost_usd for e in calls)
+        gaps = [0.0] + [(b.ts - a.ts).total_seconds() for a, b in zip(calls, calls[1:])]
+        run = sums_of_run([(e.input_tokens, e.output_tokens, gap)
+                           for e, gap in zip(calls, gaps)], 300)
+        total = CallSums(*(a + b for a, b in zip(astuple(total), astuple(run))))
+    return observed, modeled_cost(prices, "claude-sonnet-4", total, "5m")
+
+
+def test_cache_doctor_on_its_scenario_through_the_stack(emitter, reader, agent):
+    start = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=11)
+    events = scenario_events(agent, behaviour_of("silent_prompt_cache_miss"), start,
+                             hours=0.5)
+    emit_all(emitter, reader, agent, events)
+    found = [f for f in advise(reader, _scope(agent, start, 0.5), SETTINGS)
+             if f.kind == "cache"]
+    assert len(found) == 1
+    finding = found[0]
+    assert (finding.agent, finding.subject) == (agent, "v1")
+    observed, cached = _expected_cache(events, PriceTable.load(), start + timedelta(hours=0.5))
+    assert finding.evidence["observed_usd"] == round(observed, 6)
+    assert finding.evidence["cached_usd"]["5m"] == round(cached, 6)
+    assert finding.evidence["breaking_part"] == "system"
+    later = finding.evidence["later_calls"]
+    assert finding.evidence["prefix_changed"] == {"system": later, "tools": 0, "history": 0}
+    assert finding.evidence["later_calls_reading_nothing"] == later
+    assert finding.recommendation.startswith(
+        f"The system prompt changes between calls ({later} of {later} later calls)")
+    assert reader.query(finding.query).records()[0]["reading_calls"] == 0

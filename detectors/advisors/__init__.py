@@ -12,6 +12,7 @@ import logging
 from datetime import UTC, datetime, timedelta
 
 from detectors.advisors.base import Advisor, Context, Finding, Scope, sort_findings
+from detectors.advisors.cache import CacheAdvisor
 from detectors.advisors.retry import RetryAdvisor
 from detectors.advisors.timeout import TimeoutAdvisor
 from loopwatch.config import AdvisorSettings
@@ -19,7 +20,7 @@ from loopwatch.store.reader import Reader
 
 log = logging.getLogger(__name__)
 
-ADVISORS: tuple[Advisor, ...] = (TimeoutAdvisor(), RetryAdvisor())
+ADVISORS: tuple[Advisor, ...] = (TimeoutAdvisor(), RetryAdvisor(), CacheAdvisor())
 
 
 def advise(reader: Reader, scope: Scope, settings: AdvisorSettings,

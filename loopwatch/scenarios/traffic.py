@@ -147,8 +147,13 @@ class Traffic:
             return
         limited = rng.random() < b.rate_limit_share
         output = rng.randint(*b.output_tokens)
+        # the system prompt's hash: one per agent, or (a timestamp ahead of the cache
+        # breakpoint) a new one on every call
+        system_hash = (f"{agent.name}-system" if b.cache_works
+                       else f"{agent.name}-system-{common['run_id']}-{number}")
         yield LlmCall(
             ts=clock, step=number, provider="anthropic", input_tokens=context,
+            system_prompt_hash=system_hash,
             output_tokens=0 if limited else output, cache_read_input_tokens=cached,
             cache_creation_input_tokens=written, response_model=b.response_model,
             http_status=429 if limited else 200, error_type="rate_limited" if limited else None,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from dataclasses import astuple
@@ -215,10 +216,10 @@ def _expected_cache(events, prices: PriceTable, until: datetime) -> tuple[float,
         observed += sum(prices.cost(e.model, e.input_tokens, e.output_tokens,
                                     e.cache_read_input_tokens,
                                     e.cache_creation_input_tokens).cost_usd for e in calls)
-        gaps = [0.0] + [(b.ts - a.ts).total_seconds() for a, b in zip(calls, calls[1:])]
+        gaps = [0.0] + [(b.ts - a.ts).total_seconds() for a, b in itertools.pairwise(calls)]
         run = sums_of_run([(e.input_tokens, e.output_tokens, gap)
-                           for e, gap in zip(calls, gaps)], 300)
-        total = CallSums(*(a + b for a, b in zip(astuple(total), astuple(run))))
+                           for e, gap in zip(calls, gaps, strict=True)], 300)
+        total = CallSums(*(a + b for a, b in zip(astuple(total), astuple(run), strict=True)))
     return observed, modeled_cost(prices, "claude-sonnet-4", total, "5m")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import statistics
 from dataclasses import astuple
 from datetime import UTC, datetime, timedelta
 
@@ -15,11 +16,14 @@ from detectors.advisors import advise
 from detectors.advisors.base import Scope, sort_findings
 from detectors.advisors.cache import CallSums, modeled_cost, sums_of_run
 from detectors.advisors.cli import findings_json
+from detectors.advisors.judge import Confusion
+from detectors.advisors.pipeline import agent_input_tokens, determinism
+from detectors.advisors.quadratic import compacted_cost, projected_cost
 from detectors.advisors.retry import Amplification
 from detectors.advisors.timeout import HUNG, CostCurve, Rates, bin_ms, round_up
 from loopwatch.config import AdvisorSettings
 from loopwatch.scenarios.traffic import Behaviour
-from processors.pricing import PriceTable
+from processors.pricing import Price, PriceTable
 from tests.advisor_traffic import behaviour_of, emit_all, scenario_events
 
 SETTINGS = AdvisorSettings()
@@ -168,7 +172,7 @@ def test_retry_auditor_on_its_scenario_through_the_stack(emitter, reader, agent,
     assert rows[0]["layer"] == "model" and rows[0]["http_status"] == 400
 
 
-def test_no_retry_finding_on_clean_traffic(emitter, reader, agent):
+def test_no_finding_of_any_advisor_on_clean_traffic(emitter, reader, agent):
     start = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=9)
     events = scenario_events(agent, Behaviour(), start, hours=0.5)
     emit_all(emitter, reader, agent, events)
@@ -243,3 +247,129 @@ def test_cache_doctor_on_its_scenario_through_the_stack(emitter, reader, agent):
     assert finding.recommendation.startswith(
         f"The system prompt changes between calls ({later} of {later} later calls)")
     assert reader.query(finding.query).records()[0]["reading_calls"] == 0
+
+
+# -- quadratic context ---------------------------------------------------------------
+
+def test_quadratic_projection_matches_the_quad_and_tlog_vectors():
+    sonnet = PriceTable.load().models["claude-sonnet-4"]
+    assert sonnet == Price(3.0, 15.0)
+    # QUAD: 1,500-token system, 300 out, 600-token results: 900 more tokens per step
+    assert [round(projected_cost(n, 1500, 900, 300, sonnet), 4) for n in (10, 20, 40, 80)] \
+        == [0.2115, 0.6930, 2.4660, 9.2520]
+    assert round(projected_cost(80, 1500, 300 + 40, 300, sonnet), 2) == 3.94
+    # TLOG: a 50-token digest per 10 steps
+    assert [round(compacted_cost(n, 1500, 300, 50, sonnet), 3) for n in (100, 500, 2000, 5000)] \
+        == [0.968, 6.338, 47.850, 232.125]
+
+
+def _expected_quadratic(events, prices: PriceTable, until: datetime, digest: float = 40):
+    """Observed and digest-priced spend of the runs whose prefill grows >= 2 x (out +
+    digest) per step, fitted as the advisor's SQL fits them."""
+    runs: dict[str, list] = {}
+    for e in events:
+        if e.event_type == "llm.call" and e.ts < until and not e.is_error \
+                and e.http_status != 429:
+            runs.setdefault(e.run_id, []).append(e)
+    observed = digests = 0.0
+    flagged = 0
+    for calls in runs.values():
+        if len(calls) < SETTINGS.quad_min_steps:
+            continue
+        calls.sort(key=lambda e: (e.ts, str(e.event_id)))
+        xs, ys = list(range(len(calls))), [e.input_tokens for e in calls]
+        fit = statistics.linear_regression(xs, ys)
+        out = statistics.fmean(e.output_tokens for e in calls)
+        if fit.slope >= 2 * (out + digest) and statistics.correlation(xs, ys) >= 0.9:
+            flagged += 1
+            observed += sum(prices.cost(e.model, e.input_tokens, e.output_tokens,
+                                        e.cache_read_input_tokens,
+                                        e.cache_creation_input_tokens).cost_usd for e in calls)
+            digests += projected_cost(len(calls), fit.intercept, out + digest, out,
+                                      prices.models["claude-sonnet-4"])
+    return flagged, observed, digests
+
+
+def test_quadratic_context_on_its_scenario_through_the_stack(emitter, reader, agent):
+    start = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=13)
+    events = scenario_events(agent, behaviour_of("quadratic_context"), start, hours=0.5)
+    emit_all(emitter, reader, agent, events)
+    found = [f for f in advise(reader, _scope(agent, start, 0.5), SETTINGS)
+             if f.kind == "quadratic_context"]
+    assert len(found) == 1
+    finding = found[0]
+    runs, observed, digests = _expected_quadratic(events, PriceTable.load(),
+                                                  start + timedelta(hours=0.5))
+    assert runs > 0
+    assert (finding.agent, finding.subject) == (agent, "prefill_growth")
+    assert finding.evidence["runs"] == runs
+    assert finding.evidence["observed_usd"] == round(observed, 6)
+    assert finding.evidence["with_digests_usd"] == round(digests, 6)
+    assert 850 <= finding.evidence["median_slope_tokens_per_step"] <= 950  # 900 scripted
+    assert reader.query(finding.query).records()
+
+
+# -- judge agreement -----------------------------------------------------------------
+
+def test_judge_kappa_matches_the_judge_vector():
+    eighty_four = Confusion(both_pass=72, both_fail=12, judge_pass_human_fail=8,
+                            judge_fail_human_pass=8)
+    assert (eighty_four.agreement, round(eighty_four.chance, 12), eighty_four.kappa) \
+        == (0.84, 0.68, 0.5)
+    always_pass = Confusion(both_pass=80, both_fail=0, judge_pass_human_fail=20,
+                            judge_fail_human_pass=0)
+    assert (always_pass.agreement, always_pass.kappa) == (0.8, 0.0)
+
+
+def test_judge_agreement_on_its_scenario_through_the_stack(emitter, reader, agent):
+    start = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=15)
+    events = scenario_events(agent, behaviour_of("judge_always_pass"), start, hours=1)
+    emit_all(emitter, reader, agent, events)
+    until = start + timedelta(hours=1)
+    found = [f for f in advise(reader, _scope(agent, start, 1), SETTINGS)
+             if f.kind == "judge_agreement"]
+    assert len(found) == 1
+    finding = found[0]
+    verdicts: dict[str, dict[str, str]] = {}
+    for e in events:
+        if e.event_type == "label" and e.ts < until and e.label_source in ("judge", "human"):
+            verdicts.setdefault(e.run_id, {})[e.label_source] = e.verdict
+    pairs = [v for v in verdicts.values() if len(v) == 2]
+    human_fail = sum(v["human"] == "wrong" for v in pairs)
+    assert all(v["judge"] == "correct" for v in pairs)
+    assert (finding.agent, finding.subject, finding.saving_usd_per_day) == (agent, "judge", None)
+    assert finding.evidence["pairs"] == len(pairs)
+    assert finding.evidence["kappa"] == 0.0
+    assert finding.evidence["confusion"] == {
+        "judge_pass": {"human_pass": len(pairs) - human_fail, "human_fail": human_fail},
+        "judge_fail": {"human_pass": 0, "human_fail": 0}}
+    assert finding.evidence["agreement"] == round((len(pairs) - human_fail) / len(pairs), 4)
+
+
+# -- pipeline candidate --------------------------------------------------------------
+
+def test_pipeline_candidate_matches_the_noagent_vector():
+    assert agent_input_tokens(10, 4000, 800) == 76_000
+    assert agent_input_tokens(1, 4000, 800) == 4_000
+    # 60 choices; the odd run's second and third steps leave the commonest path once
+    # (its third step is the only choice in its own context, so it counts as followed)
+    assert determinism([["a", "b", "c"]] * 19 + [["a", "c", "b"]])[0] == 59 / 60
+
+
+def test_pipeline_candidate_on_its_scenario_through_the_stack(emitter, reader, agent):
+    start = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=17)
+    events = scenario_events(agent, behaviour_of("agent_is_a_pipeline"), start, hours=0.5)
+    emit_all(emitter, reader, agent, events)
+    found = [f for f in advise(reader, _scope(agent, start, 0.5), SETTINGS)
+             if f.kind == "pipeline_candidate"]
+    assert len(found) == 1
+    finding = found[0]
+    until = start + timedelta(hours=0.5)
+    runs = {e.run_id for e in events if e.event_type == "tool.call" and e.ts < until}
+    assert (finding.agent, finding.subject) == (agent, "support")
+    assert finding.evidence["runs"] == len(runs)
+    assert finding.evidence["determinism"] == 1.0
+    assert finding.evidence["commonest_path"] == ["search", "fetch", "lookup"]
+    calls = [e for e in events if e.event_type == "llm.call" and e.ts < until]
+    assert finding.evidence["agent_input_tokens"] == sum(e.input_tokens for e in calls)
+    assert reader.query(finding.query).records()[0]["runs"] == len(runs)

@@ -13,6 +13,9 @@ from datetime import UTC, datetime, timedelta
 
 from detectors.advisors.base import Advisor, Context, Finding, Scope, sort_findings
 from detectors.advisors.cache import CacheAdvisor
+from detectors.advisors.judge import JudgeAdvisor
+from detectors.advisors.pipeline import PipelineAdvisor
+from detectors.advisors.quadratic import QuadraticAdvisor
 from detectors.advisors.retry import RetryAdvisor
 from detectors.advisors.timeout import TimeoutAdvisor
 from loopwatch.config import AdvisorSettings
@@ -20,7 +23,8 @@ from loopwatch.store.reader import Reader
 
 log = logging.getLogger(__name__)
 
-ADVISORS: tuple[Advisor, ...] = (TimeoutAdvisor(), RetryAdvisor(), CacheAdvisor())
+ADVISORS: tuple[Advisor, ...] = (TimeoutAdvisor(), RetryAdvisor(), CacheAdvisor(),
+                                 QuadraticAdvisor(), JudgeAdvisor(), PipelineAdvisor())
 
 
 def advise(reader: Reader, scope: Scope, settings: AdvisorSettings,

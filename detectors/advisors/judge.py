@@ -1,0 +1,124 @@
+"""Judge agreement (the LLM-as-judge posts, JUDGE).
+
+Where runs carry both an LLM judge's label (``label_source = 'judge'``) and a human's
+(``'human'``), the judge is measured against the humans: raw agreement, Cohen's kappa
+(agreement beyond what the two label rates give by chance), and the always-pass
+baseline, a judge that says "correct" to everything, which scores the human pass rate
+in agreement and kappa 0. A judge under ``judge_min_kappa`` is flagged: its verdicts
+are not evidence, and its ``wrong`` labels are low-confidence. The finding has no dollar
+figure (``saving_usd_per_day`` null): it is about trust.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from detectors.advisors.base import Context, Finding
+
+JUDGE, HUMAN = "judge", "human"
+
+
+@dataclass(frozen=True)
+class Confusion:
+    """Judge verdict against human verdict, as counts ("pass" = correct)."""
+
+    both_pass: int
+    both_fail: int
+    judge_pass_human_fail: int
+    judge_fail_human_pass: int
+
+    @property
+    def total(self) -> int:
+        return (self.both_pass + self.both_fail + self.judge_pass_human_fail
+                + self.judge_fail_human_pass)
+
+    @property
+    def agreement(self) -> float:
+        return (self.both_pass + self.both_fail) / self.total
+
+    @property
+    def human_pass_rate(self) -> float:
+        return (self.both_pass + self.judge_fail_human_pass) / self.total
+
+    @property
+    def judge_pass_rate(self) -> float:
+        return (self.both_pass + self.judge_pass_human_fail) / self.total
+
+    @property
+    def chance(self) -> float:
+        """pe: the agreement two raters with these pass rates reach by chance."""
+        h, j = self.human_pass_rate, self.judge_pass_rate
+        return h * j + (1 - h) * (1 - j)
+
+    @property
+    def kappa(self) -> float:
+        """Cohen's kappa; 0 where chance agreement is total (both raters constant).
+
+        >>> Confusion(72, 12, 8, 8).kappa, round(Confusion(72, 12, 8, 8).chance, 12)
+        (0.5, 0.68)
+        >>> Confusion(80, 0, 20, 0).kappa, Confusion(80, 0, 20, 0).agreement
+        (0.0, 0.8)
+        """
+        pe = self.chance
+        return 0.0 if pe >= 1 else round((self.agreement - pe) / (1 - pe), 12)
+
+
+PAIRS_SQL = """
+SELECT agent,
+       countIf(judge = 'correct' AND human = 'correct') AS both_pass,
+       countIf(judge = 'wrong' AND human = 'wrong') AS both_fail,
+       countIf(judge = 'correct' AND human = 'wrong') AS judge_pass_human_fail,
+       countIf(judge = 'wrong' AND human = 'correct') AS judge_fail_human_pass
+FROM (
+    SELECT agent, run_id,
+           argMaxIf(verdict, ts, label_source = 'judge') AS judge,
+           argMaxIf(verdict, ts, label_source = 'human') AS human
+    FROM labels FINAL
+    WHERE ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
+      AND ({agent:String} = '' OR agent = {agent:String})
+      AND label_source IN ('judge', 'human')
+    GROUP BY agent, run_id
+    HAVING countIf(label_source = 'judge') > 0 AND countIf(label_source = 'human') > 0
+)
+GROUP BY agent
+"""
+
+
+class JudgeAdvisor:
+    kind = "judge_agreement"
+
+    def findings(self, context: Context) -> list[Finding]:
+        results = []
+        for row in context.rows(PAIRS_SQL):
+            confusion = Confusion(*(int(row[name]) for name in (  # type: ignore[call-overload]
+                "both_pass", "both_fail", "judge_pass_human_fail", "judge_fail_human_pass")))
+            if confusion.total < context.settings.judge_min_pairs:
+                continue
+            kappa = confusion.kappa
+            if kappa >= context.settings.judge_min_kappa:
+                continue
+            agent = str(row["agent"])
+            baseline = confusion.human_pass_rate
+            evidence: dict[str, object] = {
+                "pairs": confusion.total, "kappa": round(kappa, 4),
+                "agreement": round(confusion.agreement, 4),
+                "chance_agreement": round(confusion.chance, 4),
+                "always_pass_agreement": round(baseline, 4), "always_pass_kappa": 0.0,
+                "confusion": {"judge_pass": {"human_pass": confusion.both_pass,
+                                             "human_fail": confusion.judge_pass_human_fail},
+                              "judge_fail": {"human_pass": confusion.judge_fail_human_pass,
+                                             "human_fail": confusion.both_fail}},
+                "min_kappa": context.settings.judge_min_kappa,
+                "formula": "kappa = (po - pe) / (1 - pe), pe = h*j + (1-h)*(1-j)",
+            }
+            recommendation = (
+                f"Do not trust this judge: kappa {kappa:.2f} against {confusion.total} human "
+                f"labels (agreement {confusion.agreement:.0%}; a judge that passes "
+                f"everything agrees {baseline:.0%}, kappa 0). Treat its 'wrong' labels as "
+                f"low-confidence and recalibrate it (rubric, position swap, a stronger "
+                f"model) until kappa >= {context.settings.judge_min_kappa:g}.")
+            results.append(Finding(
+                kind="judge_agreement", agent=agent, subject=JUDGE, evidence=evidence,
+                recommendation=recommendation, saving_usd_per_day=None,
+                query=context.query_text(PAIRS_SQL), recommended=round(kappa, 4)))
+        return results

@@ -7,7 +7,7 @@ import itertools
 import json
 import random
 import statistics
-from dataclasses import astuple
+from dataclasses import astuple, replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -373,3 +373,55 @@ def test_pipeline_candidate_on_its_scenario_through_the_stack(emitter, reader, a
     calls = [e for e in events if e.event_type == "llm.call" and e.ts < until]
     assert finding.evidence["agent_input_tokens"] == sum(e.input_tokens for e in calls)
     assert reader.query(finding.query).records()[0]["runs"] == len(runs)
+
+
+# -- info alerts ---------------------------------------------------------------------
+
+def test_findings_raise_info_alerts_when_new_or_moved_never_paged(local_store):
+    """Through the pipeline core into a real chdb database of its own: the first pass
+    records the finding as a firing info alert, an unchanged one records nothing, a
+    moved one resolves the old alert and fires a new one; the detector engine does not
+    take these alerts over (so nothing re-sends them)."""
+    from detectors.advisors.alerting import QueryReader, advisor_pass
+    from detectors.engine import DetectorEngine
+    from loopwatch.config import Settings
+    from loopwatch.scenarios.scorecard import Simulation
+    from loopwatch.scenarios.traffic import Injection
+    from loopwatch.store.clickhouse import migrate, run_query
+
+    shared, _ = local_store
+    settings = Settings(data_dir=shared.data_dir, database="advice_alerts",
+                        apply_retention=False)
+    client = migrate(settings)
+    simulation = Simulation(client, settings, seed=3)
+    start = datetime(2026, 3, 2, tzinfo=UTC)
+    low = Injection("support-bot", start, replace(Behaviour(), tool_timeout_ms=330.0))
+    simulation.advance(start, start + timedelta(hours=1), timedelta(minutes=30), low,
+                       observe=False)
+    reader = QueryReader(lambda sql, p: run_query(client, sql, p, readonly=True))
+    scope = Scope(start, start + timedelta(hours=1), "support-bot")
+    first = advisor_pass(reader, simulation._write, SETTINGS, timedelta(0), scope=scope,
+                         now=start + timedelta(hours=1))
+    assert sorted((a.rule, a.labels["subject"], a.state, a.severity) for a in first) == [
+        ("advisor_timeout", tool, "firing", "info") for tool in ("fetch", "lookup", "search")]
+    assert {a.playbook for a in first} == {"timeout_miscalibration"}
+    again = advisor_pass(reader, simulation._write, SETTINGS, timedelta(0), scope=scope,
+                         now=start + timedelta(hours=1, minutes=5))
+    assert again == []
+    # the tail moves: the same tools, ten times slower
+    slower = Injection("support-bot", start + timedelta(hours=1),
+                       replace(Behaviour(), tool_timeout_ms=330.0, tool_median_ms=3000.0))
+    simulation.advance(start + timedelta(hours=1), start + timedelta(hours=2),
+                       timedelta(minutes=30), slower, observe=False)
+    later = Scope(start + timedelta(hours=1), start + timedelta(hours=2), "support-bot")
+    moved = advisor_pass(reader, simulation._write, SETTINGS, timedelta(0), scope=later,
+                         now=start + timedelta(hours=2))
+    assert sorted((a.labels["subject"], a.state) for a in moved) == [
+        (tool, state) for tool in ("fetch", "lookup", "search")
+        for state in ("firing", "resolved")]
+    stored = run_query(client, "SELECT state, count() AS n FROM alerts FINAL "
+                       "WHERE rule = 'advisor_timeout' GROUP BY state ORDER BY state").rows
+    assert stored == [["firing", 3], ["resolved", 3]]
+    engine = DetectorEngine(lambda sql, p: run_query(client, sql, p, readonly=True),
+                            simulation._write, rules={})
+    assert engine.book.open == {}

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
 import statistics
+import subprocess
+import sys
 from dataclasses import astuple, replace
 from datetime import UTC, datetime, timedelta
 
@@ -425,3 +428,56 @@ def test_findings_raise_info_alerts_when_new_or_moved_never_paged(local_store):
     engine = DetectorEngine(lambda sql, p: run_query(client, sql, p, readonly=True),
                             simulation._write, rules={})
     assert engine.book.open == {}
+
+
+# -- where users see it --------------------------------------------------------------
+
+def _advise_cli(pipeline, *arguments: str) -> subprocess.CompletedProcess[str]:
+    environment = {key: value for key, value in os.environ.items()
+                   if not key.startswith("LOOPWATCH_")}
+    environment["LOOPWATCH_DATA_DIR"] = str(pipeline.data_dir)
+    return subprocess.run([sys.executable, "-m", "loopwatch.cli", "advise", *arguments],
+                          env=environment, capture_output=True, text=True, timeout=300)
+
+
+def test_loopwatch_advise_json_through_the_running_up(emitter, reader, agent, pipeline):
+    """The command reads the running up's store over its service; findings come sorted
+    by saving, in the issue's shape; a hostile --agent is a value, never SQL."""
+    start = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=2)
+    events = [*scenario_events(agent, behaviour_of("timeout_too_low"), start, hours=0.5),
+              *scenario_events(agent, replace(behaviour_of("silent_prompt_cache_miss"),
+                                              tool_timeout_ms=330.0),
+                               start + timedelta(hours=0.5), hours=0.5, seed=8)]
+    emit_all(emitter, reader, agent, events)
+    result = _advise_cli(pipeline, "--agent", agent, "--json")
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    findings = payload["findings"]
+    assert {f["kind"] for f in findings} == {"timeout", "cache"}
+    assert {f["agent"] for f in findings} == {agent}
+    savings = [f["saving_usd_per_day"] for f in findings]
+    assert savings == sorted(savings, reverse=True)
+    for finding in findings:
+        assert list(finding) == ["kind", "agent", "subject", "evidence", "recommendation",
+                                 "saving_usd_per_day", "query"]
+    table = _advise_cli(pipeline, "--agent", agent)
+    assert table.returncode == 0 and "timeout" in table.stdout and "cache" in table.stdout
+    hostile = _advise_cli(pipeline, "--agent", f"{agent}' OR 1=1 --", "--json")
+    assert hostile.returncode == 0, hostile.stderr
+    assert json.loads(hostile.stdout) == {"findings": []}
+
+
+PLAYBOOK_ADVISORS = {"timeout_miscalibration": "timeout", "silent_prompt_cache_miss": "cache",
+                     "retry_storm_permanent_error": "retry_amplification",
+                     "cost_spike": "quadratic_context", "quality_degradation": "judge_agreement"}
+
+
+def test_the_playbooks_that_cover_a_finding_name_its_advisor():
+    from detectors.advisors.alerting import PLAYBOOKS
+    from detectors.playbooks import load_playbooks
+
+    books = load_playbooks()
+    for kind, name in PLAYBOOKS.items():
+        steps = " ".join(f"{s.title} {s.why} {s.action or ''}" for s in books[name].steps)
+        assert "loopwatch advise" in steps and f"`{kind}`" in steps, (name, kind)
+    assert set(PLAYBOOK_ADVISORS) == set(PLAYBOOKS.values())

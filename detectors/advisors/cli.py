@@ -24,9 +24,10 @@ def advise_command(agent: AgentOption = "", data_dir: DataDir = None,
     """What to change and what it is worth: timeouts, prompt caching, retries, context,
     judges, pipelines (docs/advisors.md). Largest saving per day first."""
     from rich.console import Console
+    from rich.markup import escape
+    from rich.padding import Padding
 
     from detectors.advisors import advise_now
-    from loopwatch.render import fitted
     from loopwatch.storecheck import open_checked
 
     if len(agent) > 256:
@@ -39,11 +40,13 @@ def advise_command(agent: AgentOption = "", data_dir: DataDir = None,
         sys.stdout.write(findings_json(findings).decode() + "\n")
     else:
         out = Console()
-        rows = [[f.kind, f.agent, f.subject,
-                 "" if f.saving_usd_per_day is None else f"${f.saving_usd_per_day:,.2f}",
-                 f.recommendation] for f in findings]
-        columns = ["kind", "agent", "subject", "saving/day", "recommendation"]
-        out.print(fitted(out, columns, rows, "advice"))
+        for finding in findings:
+            saving = ("no dollar figure" if finding.saving_usd_per_day is None
+                      else f"saves ${finding.saving_usd_per_day:,.2f}/day")
+            out.print(f"[bold]{finding.kind}[/bold]  {escape(finding.agent)} / "
+                      f"{escape(finding.subject)}  ({saving})", highlight=False)
+            out.print(Padding(escape(finding.recommendation), (0, 0, 0, 4)),
+                      highlight=False)
         if not findings:
             console.print("no finding worth raising in the window")
     console.print(store, markup=False, highlight=False)

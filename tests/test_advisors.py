@@ -481,3 +481,23 @@ def test_the_playbooks_that_cover_a_finding_name_its_advisor():
         steps = " ".join(f"{s.title} {s.why} {s.action or ''}" for s in books[name].steps)
         assert "loopwatch advise" in steps and f"`{kind}`" in steps, (name, kind)
     assert set(PLAYBOOK_ADVISORS) == set(PLAYBOOKS.values())
+
+
+@pytest.mark.parametrize(("event", "problem"), [
+    ({"event_type": "llm.call", "tools_hash": "h" * 129}, "tools_hash"),
+    ({"event_type": "llm.call", "history_hash": "h" * 129}, "history_hash"),
+    ({"event_type": "run.start", "job_id": "j" * 257}, "job_id"),
+    ({"event_type": "run.start", "job_attempt": 0}, "job_attempt"),
+])
+def test_the_contracts_new_fields_refuse_hostile_values(event, problem):
+    """The advisors' contract fields are bounded like the rest: refused at the edge (a
+    dead letter in the pipeline), never stored."""
+    from pydantic import ValidationError
+
+    from ingest.events import parse_event
+
+    with pytest.raises(ValidationError, match=problem):
+        parse_event({"run_id": "r", "agent": "a", **event})
+    accepted = parse_event({"run_id": "r", "agent": "a", "event_type": "run.start",
+                            "job_id": "x'); DROP TABLE runs; --", "job_attempt": 2})
+    assert accepted.job_id == "x'); DROP TABLE runs; --"  # a value; the SQL binds it

@@ -125,6 +125,7 @@ class QuadraticAdvisor:
             "median_calls": statistics.median(lengths),
             "longest_run": {"run_id": str(typical["run_id"]), "calls": n,
                             "intercept_tokens": round(a, 1), "slope_tokens_per_step": round(s, 1),
+                            "digest_slope_tokens_per_step": round(out + digest, 1),
                             "projected_usd": {str(m * n): round(projected_cost(
                                 m * n, a, s, out, price), 6) for m in (1, 2, 4)},
                             "with_digests_usd": round(projected_cost(n, a, out + digest, out,

@@ -24,6 +24,7 @@ from detectors.advisors.pipeline import agent_input_tokens, determinism
 from detectors.advisors.quadratic import compacted_cost, projected_cost
 from detectors.advisors.retry import Amplification
 from detectors.advisors.timeout import HUNG, CostCurve, Rates, bin_ms, round_up
+from ingest.events import Label
 from loopwatch.config import AdvisorSettings
 from loopwatch.scenarios.traffic import Behaviour
 from processors.pricing import Price, PriceTable
@@ -327,8 +328,16 @@ def test_judge_kappa_matches_the_judge_vector():
 def test_judge_agreement_on_its_scenario_through_the_stack(emitter, reader, agent):
     start = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=15)
     events = scenario_events(agent, behaviour_of("judge_always_pass"), start, hours=1)
-    emit_all(emitter, reader, agent, events)
     until = start + timedelta(hours=1)
+    # five successful runs only the judge labels, wrong: low-confidence silent failures
+    labelled = {e.run_id for e in events if e.event_type == "label"}
+    unlabelled = [e for e in events if e.event_type == "run.end" and e.ts < until
+                  and e.terminal_reason == "model_done" and e.run_id not in labelled][:5]
+    events += [Label(ts=e.ts + timedelta(seconds=30), run_id=e.run_id, agent=agent,
+                     model=e.model, task_type=e.task_type, prompt_version=e.prompt_version,
+                     deployment=e.deployment, verdict="wrong", label_source="judge")
+               for e in unlabelled]
+    emit_all(emitter, reader, agent, events)
     found = [f for f in advise(reader, _scope(agent, start, 1), SETTINGS)
              if f.kind == "judge_agreement"]
     assert len(found) == 1
@@ -347,6 +356,9 @@ def test_judge_agreement_on_its_scenario_through_the_stack(emitter, reader, agen
         "judge_pass": {"human_pass": len(pairs) - human_fail, "human_fail": human_fail},
         "judge_fail": {"human_pass": 0, "human_fail": 0}}
     assert finding.evidence["agreement"] == round((len(pairs) - human_fail) / len(pairs), 4)
+    low = finding.evidence["low_confidence"]
+    assert low["judge_wrong_runs"] == len(unlabelled) == 5
+    assert low["silent_failure_ratio_without_judge_wrong"] < low["silent_failure_ratio"]
 
 
 # -- pipeline candidate --------------------------------------------------------------

@@ -84,20 +84,52 @@ GROUP BY agent
 """
 
 
+SILENT_SQL = """
+SELECT agent, countIf(status = 'closed') AS closed_runs,
+       countIf(status = 'closed' AND outcome IN ('budget_exhausted', 'gave_up', 'looped',
+                                                   'wrong')) AS silent_failures,
+       countIf(status = 'closed' AND outcome = 'wrong' AND label_source = 'judge')
+           AS judge_wrong_runs
+FROM runs FINAL
+WHERE started_ts >= {since:DateTime64(3, 'UTC')} AND started_ts < {until:DateTime64(3, 'UTC')}
+  AND ({agent:String} = '' OR agent = {agent:String})
+GROUP BY agent
+"""
+
+
+def low_confidence(row: dict[str, object] | None) -> dict[str, object]:
+    """The silent-failure ratio as stored, and without the runs only this judge calls
+    wrong (its labels are low-confidence once it is flagged).
+
+    >>> shown = low_confidence({"closed_runs": 100, "silent_failures": 20,
+    ...                         "judge_wrong_runs": 5})
+    >>> shown["silent_failure_ratio"], shown["silent_failure_ratio_without_judge_wrong"]
+    (0.2, 0.1579)
+    """
+    closed = int(row["closed_runs"]) if row else 0  # type: ignore[call-overload]
+    silent = int(row["silent_failures"]) if row else 0  # type: ignore[call-overload]
+    judged = int(row["judge_wrong_runs"]) if row else 0  # type: ignore[call-overload]
+    return {"judge_wrong_runs": judged,
+            "silent_failure_ratio": round(silent / closed, 4) if closed else None,
+            "silent_failure_ratio_without_judge_wrong":
+                round((silent - judged) / (closed - judged), 4) if closed > judged else None}
+
+
 class JudgeAdvisor:
     kind = "judge_agreement"
 
     def findings(self, context: Context) -> list[Finding]:
         results = []
+        silent = {str(row["agent"]): row for row in context.rows(SILENT_SQL)}
         for row in context.rows(PAIRS_SQL):
             confusion = Confusion(*(int(row[name]) for name in (  # type: ignore[call-overload]
                 "both_pass", "both_fail", "judge_pass_human_fail", "judge_fail_human_pass")))
+            agent = str(row["agent"])
             if confusion.total < context.settings.judge_min_pairs:
                 continue
             kappa = confusion.kappa
             if kappa >= context.settings.judge_min_kappa:
                 continue
-            agent = str(row["agent"])
             baseline = confusion.human_pass_rate
             evidence: dict[str, object] = {
                 "pairs": confusion.total, "kappa": round(kappa, 4),
@@ -109,6 +141,7 @@ class JudgeAdvisor:
                               "judge_fail": {"human_pass": confusion.judge_fail_human_pass,
                                              "human_fail": confusion.both_fail}},
                 "min_kappa": context.settings.judge_min_kappa,
+                "low_confidence": low_confidence(silent.get(agent)),
                 "formula": "kappa = (po - pe) / (1 - pe), pe = h*j + (1-h)*(1-j)",
             }
             recommendation = (

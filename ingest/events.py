@@ -325,6 +325,9 @@ class Label(EventBase):
     label_source: str = "post_hoc_check"
     quality_score: float | None = Field(None, ge=0, le=1)
     hallucination: bool | None = None
+    position_flipped: bool | None = Field(
+        None, description="a pairwise judge's verdict changed when the candidates' order "
+        "was swapped (label_source judge; the judge-agreement advisor's flip rate)")
 
 
 class Annotation(EventBase):

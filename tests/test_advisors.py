@@ -356,6 +356,11 @@ def test_judge_agreement_on_its_scenario_through_the_stack(emitter, reader, agen
         "judge_pass": {"human_pass": len(pairs) - human_fail, "human_fail": human_fail},
         "judge_fail": {"human_pass": 0, "human_fail": 0}}
     assert finding.evidence["agreement"] == round((len(pairs) - human_fail) / len(pairs), 4)
+    reported = [e.position_flipped for e in events if e.event_type == "label"
+                and e.ts < until and e.label_source == "judge"
+                and e.position_flipped is not None]
+    assert reported and finding.evidence["position_flip_rate"] == round(
+        sum(reported) / len(reported), 4)
     low = finding.evidence["low_confidence"]
     assert low["judge_wrong_runs"] == len(unlabelled) == 5
     assert low["silent_failure_ratio_without_judge_wrong"] < low["silent_failure_ratio"]

@@ -97,6 +97,13 @@ GROUP BY agent
 """
 
 
+def _flip_rate(row: dict[str, object] | None) -> float | None:
+    """Position flips over the judge labels that report it (None: none do)."""
+    if not row or not int(row["reported"]):  # type: ignore[call-overload]
+        return None
+    return round(int(row["flipped"]) / int(row["reported"]), 4)  # type: ignore[call-overload]
+
+
 def low_confidence(row: dict[str, object] | None) -> dict[str, object]:
     """The silent-failure ratio as stored, and without the runs only this judge calls
     wrong (its labels are low-confidence once it is flagged).
@@ -115,12 +122,25 @@ def low_confidence(row: dict[str, object] | None) -> dict[str, object]:
                 round((silent - judged) / (closed - judged), 4) if closed > judged else None}
 
 
+FLIPS_SQL = """
+SELECT agent, count() AS reported,
+       countIf(JSONExtract(payload, 'position_flipped', 'Nullable(Bool)')) AS flipped
+FROM events FINAL
+WHERE event_type = 'label' AND JSONExtractString(payload, 'label_source') = 'judge'
+  AND JSONExtract(payload, 'position_flipped', 'Nullable(Bool)') IS NOT NULL
+  AND ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
+  AND ({agent:String} = '' OR agent = {agent:String})
+GROUP BY agent
+"""
+
+
 class JudgeAdvisor:
     kind = "judge_agreement"
 
     def findings(self, context: Context) -> list[Finding]:
         results = []
         silent = {str(row["agent"]): row for row in context.rows(SILENT_SQL)}
+        flips = {str(row["agent"]): row for row in context.rows(FLIPS_SQL)}
         for row in context.rows(PAIRS_SQL):
             confusion = Confusion(*(int(row[name]) for name in (  # type: ignore[call-overload]
                 "both_pass", "both_fail", "judge_pass_human_fail", "judge_fail_human_pass")))
@@ -142,6 +162,7 @@ class JudgeAdvisor:
                                              "human_fail": confusion.both_fail}},
                 "min_kappa": context.settings.judge_min_kappa,
                 "low_confidence": low_confidence(silent.get(agent)),
+                "position_flip_rate": _flip_rate(flips.get(agent)),
                 "formula": "kappa = (po - pe) / (1 - pe), pe = h*j + (1-h)*(1-j)",
             }
             recommendation = (

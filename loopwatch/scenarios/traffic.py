@@ -52,6 +52,8 @@ class Behaviour:
     human_wrong_share: float = 0.2
     judge_flip_share: float = 0.0
     judge_always_pass: bool = False
+    #: the judge reports a position flip (order swapped, verdict changed) this often
+    judge_position_flip_share: float = 0.0
     #: every run takes its agent's tools in the same order: a pipeline, not an agent
     fixed_path: bool = False
     response_model: str = "claude-sonnet-4-20260901"
@@ -161,8 +163,10 @@ class Traffic:
         flipped = rng.random() < b.judge_flip_share
         judge = ("correct" if b.judge_always_pass
                  else {"wrong": "correct", "correct": "wrong"}[human] if flipped else human)
+        flip = (rng.random() < b.judge_position_flip_share
+                if b.judge_position_flip_share else None)
         yield Label(ts=clock + timedelta(minutes=2), verdict=judge, label_source="judge",
-                    **common)
+                    position_flipped=flip, **common)
         yield Label(ts=clock + timedelta(minutes=3), verdict=human, label_source="human",
                     **common)
 

@@ -359,9 +359,10 @@ def scenario_list() -> None:
     """The scenario library: what each injects, and the alert and playbook that must catch it."""
     from loopwatch.scenarios import load_scenarios
 
-    rows = [[s.name, s.description, ", ".join(s.expected), s.playbook]
+    rows = [[s.name, s.description, ", ".join(s.expected), s.advisor, s.playbook]
             for s in load_scenarios().values()]
-    print_table(["scenario", "injects", "must fire", "playbook"], rows, title="scenarios")
+    print_table(["scenario", "injects", "must fire", "advisor finds", "playbook"], rows,
+                title="scenarios")
 
 
 @scenario_app.command("run")

@@ -21,7 +21,7 @@ from detectors.advisors.cache import CallSums, modeled_cost, sums_of_run
 from detectors.advisors.cli import findings_json
 from detectors.advisors.judge import Confusion
 from detectors.advisors.pipeline import agent_input_tokens, determinism
-from detectors.advisors.quadratic import compacted_cost, projected_cost
+from detectors.advisors.quadratic import compacted_cost, digest_saving, projected_cost
 from detectors.advisors.retry import Amplification
 from detectors.advisors.timeout import HUNG, CostCurve, Rates, bin_ms, round_up
 from ingest.events import Label
@@ -286,11 +286,12 @@ def _expected_quadratic(events, prices: PriceTable, until: datetime, digest: flo
         out = statistics.fmean(e.output_tokens for e in calls)
         if fit.slope >= 2 * (out + digest) and statistics.correlation(xs, ys) >= 0.9:
             flagged += 1
-            observed += sum(prices.cost(e.model, e.input_tokens, e.output_tokens,
-                                        e.cache_read_input_tokens,
-                                        e.cache_creation_input_tokens).cost_usd for e in calls)
-            digests += projected_cost(len(calls), fit.intercept, out + digest, out,
-                                      prices.models["claude-sonnet-4"])
+            cost = sum(prices.cost(e.model, e.input_tokens, e.output_tokens,
+                                   e.cache_read_input_tokens,
+                                   e.cache_creation_input_tokens).cost_usd for e in calls)
+            observed += cost
+            digests += cost - digest_saving(len(calls), fit.slope, out + digest,
+                                            prices.models["claude-sonnet-4"])
     return flagged, observed, digests
 
 

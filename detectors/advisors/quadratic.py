@@ -8,7 +8,8 @@ run whose history grows at least :data:`GROWTH_FACTOR` times faster than its out
 plus a digest would (``s >= 2 * (out + digest)``, tightly: r >= :data:`MIN_R`) re-sends
 raw tool results. The projection prices it at its length and at 2x and 4x, and with
 each step's tool result cut to a ``quad_digest_tokens`` digest; the saving is the
-observed spend against the digest version of the same runs.
+re-sent history the digests remove, at the input price (:func:`digest_saving`), so a
+cached stable prefix is priced as observed.
 """
 
 from __future__ import annotations
@@ -39,6 +40,19 @@ def projected_cost(n: int, intercept: float, slope: float, output: float,
     """
     prefill = n * intercept + slope * n * (n - 1) / 2
     return (price.input * prefill + price.output * n * output) / 1e6
+
+
+def digest_saving(n: int, slope: float, digest_slope: float, price: Price) -> float:
+    """What a run of ``n`` calls saves when its history grows ``digest_slope`` tokens a
+    step instead of ``slope``: the re-sent history, at the input price (the stable
+    prefix, cached or not, is the same either way).
+
+    >>> p = Price(3.0, 15.0)
+    >>> whole = projected_cost(80, 1500, 900, 300, p) - projected_cost(80, 1500, 340, 300, p)
+    >>> round(digest_saving(80, 900, 340, p), 4) == round(whole, 4)
+    True
+    """
+    return max(0.0, price.input * (slope - digest_slope) * n * (n - 1) / 2 / 1e6)
 
 
 def compacted_cost(n: int, system: float, output: float, digest_tokens: float,
@@ -106,10 +120,11 @@ class QuadraticAdvisor:
         observed = with_digests = 0.0
         for run in runs:
             price = context.prices.models.get(str(run["model"])) or context.prices.default
-            output = float(run["output"])  # type: ignore[arg-type]
-            observed += float(run["cost_usd"])  # type: ignore[arg-type]
-            with_digests += projected_cost(int(run["n"]), float(run["intercept"]),  # type: ignore[call-overload, arg-type]
-                                           output + digest, output, price)
+            cost = float(run["cost_usd"])  # type: ignore[arg-type]
+            observed += cost
+            with_digests += cost - digest_saving(
+                int(run["n"]), float(run["slope"]),  # type: ignore[call-overload, arg-type]
+                float(run["output"]) + digest, price)  # type: ignore[arg-type]
         saving = context.per_day(agent, observed - with_digests)
         if not context.worth(agent, saving):
             return None
@@ -128,12 +143,13 @@ class QuadraticAdvisor:
                             "digest_slope_tokens_per_step": round(out + digest, 1),
                             "projected_usd": {str(m * n): round(projected_cost(
                                 m * n, a, s, out, price), 6) for m in (1, 2, 4)},
-                            "with_digests_usd": round(projected_cost(n, a, out + digest, out,
-                                                                     price), 6)},
+                            "with_digests_usd": {str(m * n): round(projected_cost(
+                                m * n, a, out + digest, out, price), 6) for m in (1, 2, 4)}},
             "observed_usd": round(observed, 6), "with_digests_usd": round(with_digests, 6),
             "digest_tokens": digest,
             "formula": "prefill(k) = a + s*k; cost(N) = p_in*(N*a + s*N(N-1)/2) + "
-                       "p_out*N*out; digests: s -> out + digest",
+                       "p_out*N*out; digests: s -> out + digest; saving per run = "
+                       "p_in*(s - out - digest)*N(N-1)/2",
         }
         recommendation = (
             f"{len(runs)} runs re-send their history (prefill grows "

@@ -168,8 +168,9 @@ def test_retry_auditor_on_its_scenario_through_the_stack(emitter, reader, agent,
     assert (finding.agent, finding.subject) == (agent, "permanent_errors")
     assert finding.evidence["layers"] == {"tool": 1, "model": 5, "job": job}
     assert finding.evidence["worst_case_attempts_per_item"] == 5 * job
-    assert finding.evidence["wasted_usd_in_window"] == round(
-        _expected_wasted(events, PriceTable.load(), start + timedelta(hours=0.5)), 6)
+    # the evidence is rounded to 6 decimals: equal to that, whatever the summing order
+    assert finding.evidence["wasted_usd_in_window"] == pytest.approx(
+        _expected_wasted(events, PriceTable.load(), start + timedelta(hours=0.5)), abs=1e-6)
     assert finding.saving_usd_per_day is not None and finding.saving_usd_per_day > 0
     assert f"= {5 * job} attempts per item" in finding.recommendation
     rows = reader.query(finding.query).records()
@@ -242,8 +243,8 @@ def test_cache_doctor_on_its_scenario_through_the_stack(emitter, reader, agent):
     finding = found[0]
     assert (finding.agent, finding.subject) == (agent, "v1")
     observed, cached = _expected_cache(events, PriceTable.load(), start + timedelta(hours=0.5))
-    assert finding.evidence["observed_usd"] == round(observed, 6)
-    assert finding.evidence["cached_usd"]["5m"] == round(cached, 6)
+    assert finding.evidence["observed_usd"] == pytest.approx(observed, abs=1e-6)
+    assert finding.evidence["cached_usd"]["5m"] == pytest.approx(cached, abs=1e-6)
     assert finding.evidence["breaking_part"] == "system"
     later = finding.evidence["later_calls"]
     assert finding.evidence["prefix_changed"] == {"system": later, "tools": 0, "history": 0}
@@ -308,8 +309,8 @@ def test_quadratic_context_on_its_scenario_through_the_stack(emitter, reader, ag
     assert runs > 0
     assert (finding.agent, finding.subject) == (agent, "prefill_growth")
     assert finding.evidence["runs"] == runs
-    assert finding.evidence["observed_usd"] == round(observed, 6)
-    assert finding.evidence["with_digests_usd"] == round(digests, 6)
+    assert finding.evidence["observed_usd"] == pytest.approx(observed, abs=1e-6)
+    assert finding.evidence["with_digests_usd"] == pytest.approx(digests, abs=1e-6)
     assert 850 <= finding.evidence["median_slope_tokens_per_step"] <= 950  # 900 scripted
     assert reader.query(finding.query).records()
 

@@ -69,8 +69,8 @@ def test_every_advisor_finds_its_scenario_and_nothing_on_a_clean_day(local_store
     settings = Settings(data_dir=shared.data_dir, database="scorecard_advice",
                         apply_retention=False)
     client = migrate(settings)
-    card = score(client, settings, seed=11, history_days=0.1, baseline_hours=2,
-                 scenario_names=ADVISED, observe_minutes=25)
+    card = score(client, settings, seed=11, history_days=0.05, baseline_hours=2,
+                 scenario_names=ADVISED, observe_minutes=20)
     result = card.as_json()
     assert result["baseline"]["false_findings"] == []
     kinds = {load_scenarios()[name].advisor for name in ADVISED}

@@ -12,7 +12,7 @@ parameters by :mod:`loopwatch.dashboards.macros` in the web view). Base tables a
 FINAL (ReplacingMergeTree); the per-minute views already are.
 
 >>> len(PANELS), sorted({p.tier for p in PANELS})
-(32, ['drilldown', 'realtime', 'trends'])
+(33, ['drilldown', 'realtime', 'trends'])
 >>> [t.id for t in TIERS]
 ['realtime', 'trends', 'drilldown']
 """
@@ -428,6 +428,23 @@ HAVING timeouts > 0
 ORDER BY time, tool""",
         "timeseries", ("time", "tool", "timeouts", "near_misses"), series_by=("tool",),
         section="Cache and tools"),
+    Panel(
+        "advice", "trends", "Advice: what to change, what it is worth",
+        "The advisors' open findings (detectors/advisors, docs/advisors.md), largest "
+        "saving per day first; `loopwatch advise` and the web view's Advice page show "
+        "each with its evidence and chart.",
+        f"""SELECT replaceOne(rule, 'advisor_', '') AS kind, labels['agent'] AS agent,
+       labels['subject'] AS subject,
+       JSONExtract(evidence, 'saving_usd_per_day', 'Nullable(Float64)') AS saving_usd_per_day,
+       summary AS recommendation, started_at
+FROM alerts FINAL
+WHERE startsWith(rule, 'advisor_') AND state = 'firing'
+  AND {filters("agent", columns={"agent": "labels['agent']"})}
+ORDER BY saving_usd_per_day DESC NULLS LAST, kind, agent, subject
+LIMIT 100""",
+        "table", ("kind", "agent", "subject", "saving_usd_per_day", "recommendation",
+                  "started_at"),
+        column_units={"saving_usd_per_day": "currencyUSD"}, width=24, section="Advice"),
 )
 
 DRILLDOWN: Final[tuple[Panel, ...]] = (

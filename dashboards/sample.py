@@ -192,16 +192,17 @@ def change_annotations(now: datetime) -> list[EventBase]:
 
 
 def alert_rows(now: datetime, loop_run: str) -> list[dict[str, Any]]:
-    """Two firing alerts, as the detectors would have written them."""
+    """Two firing alerts as the detectors would have written them, and an advisor's
+    info alert (detectors/advisors/alerting.py)."""
     fired = now - timedelta(minutes=6)
 
     def row(rule: str, severity: str, labels: dict[str, str], summary: str, playbook: str,
-            value: float) -> dict[str, Any]:
+            value: float, evidence: str = "{}") -> dict[str, Any]:
         return {"fingerprint": uuid.uuid5(uuid.NAMESPACE_URL, rule + str(labels)).hex[:16],
                 "started_at": fired - timedelta(minutes=1), "rule": rule,
                 "severity": severity, "state": "firing", "labels": labels,
                 "summary": summary, "playbook": playbook, "value": value, "fired_at": fired,
-                "resolved_at": None, "evidence": "{}", "link": "", "version": 2,
+                "resolved_at": None, "evidence": evidence, "link": "", "version": 2,
                 "updated_at": fired}
 
     return [
@@ -212,6 +213,10 @@ def alert_rows(now: datetime, loop_run: str) -> list[dict[str, Any]]:
             {"agent": "research-agent", "run_id": loop_run, "task_type": "literature"},
             "research-agent run looped: web_search with the same args 3 times",
             "agent_stuck_in_loop", 3.0),
+        row("advisor_timeout", "info", {"agent": "support-bot", "subject": "web_search"},
+            "Raise web_search's timeout from 1.5 s to 2.2 s: expected cost per call "
+            "$0.0092 -> $0.0015", "timeout_miscalibration", 2200.0,
+            '{"evidence": {}, "query": "", "saving_usd_per_day": 40.12}'),
     ]
 
 

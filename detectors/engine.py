@@ -45,6 +45,10 @@ Write = Callable[[str, list[dict[str, Any]]], None]
 EVIDENCE_ROWS = 10
 EVENT_NOW_SQL = """SELECT max(ts), count() FROM events
 WHERE ts <= {limit:DateTime64(3, 'UTC')}"""
+#: the open alerts a restarted engine takes over; the advisors' info alerts are theirs
+#: (detectors/advisors/alerting.py): never re-sent
+RESTORE_SQL = ("SELECT * FROM alerts FINAL WHERE state IN ('pending', 'firing') "
+               "AND NOT startsWith(rule, 'advisor_')")
 #: history rows kept in memory while the store refuses them (~1 KB each)
 MAX_UNWRITTEN_ROWS = 50_000
 
@@ -97,8 +101,7 @@ class DetectorEngine:
 
     def _restore(self) -> list[Alert]:
         try:
-            result = self.query("SELECT * FROM alerts FINAL WHERE state IN ('pending', 'firing')",
-                                {})
+            result = self.query(RESTORE_SQL, {})
         except Exception:
             log.exception("could not restore open alerts")
             return []

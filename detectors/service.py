@@ -64,7 +64,11 @@ def build_engine(settings: Settings, reader: Client, writer: Client) -> Detector
 def start_detectors(settings: Settings, reader: Client, writer: Client,
                     stop: threading.Event) -> DetectorEngine:
     """Run the engine on a daemon thread until ``stop`` is set."""
+    from loopwatch.detectors.advisors.alerting import start_advisors
+
     engine = build_engine(settings, reader, writer)
     threading.Thread(target=engine.run, args=(stop, settings.detect_interval_s),
                      name="detectors", daemon=True).start()
+    start_advisors(engine.query, engine.write, settings.advise,
+                   timedelta(seconds=settings.max_clock_skew_s), stop)
     return engine

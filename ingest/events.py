@@ -209,6 +209,11 @@ class RunStart(EventBase):
     max_cost_usd: float | None = Field(None, ge=0)
     expected_steps: int | None = Field(None, ge=1, le=U32_MAX)
     interactive: bool | None = None
+    job_id: str | None = Field(None, max_length=256, description="the work item this run "
+                               "serves: runs an orchestrator re-queues share it (the "
+                               "retry amplification advisor's job layer)")
+    job_attempt: int | None = Field(None, ge=1, le=U16_MAX,
+                                    description="which attempt at job_id this run is")
 
 
 class Step(EventBase):
@@ -246,7 +251,15 @@ class LlmCall(EventBase):
     attempt: int = Field(1, ge=1, le=U16_MAX)
     logical_op_id: str | None = None
     stop_reason: str | None = None
-    system_prompt_hash: str | None = None
+    system_prompt_hash: str | None = Field(
+        None, description="prompt-cache prefix hash, first breakpoint: the system prompt")
+    tools_hash: str | None = Field(
+        None, max_length=128, description="prompt-cache prefix hash, second breakpoint: "
+        "the tool definitions as sent (OTel gen_ai.tool.definitions, hashed)")
+    history_hash: str | None = Field(
+        None, max_length=128, description="prompt-cache prefix hash, last breakpoint: the "
+        "conversation re-sent before this call's newest turn (system and tools stable, "
+        "nothing read from the cache, within the TTL: the history part changed)")
     prompt_hash: str | None = None
     prompt_bytes: int | None = Field(None, ge=0, le=I64_MAX)
     response_hash: str | None = None
@@ -312,6 +325,9 @@ class Label(EventBase):
     label_source: str = "post_hoc_check"
     quality_score: float | None = Field(None, ge=0, le=1)
     hallucination: bool | None = None
+    position_flipped: bool | None = Field(
+        None, description="a pairwise judge's verdict changed when the candidates' order "
+        "was swapped (label_source judge; the judge-agreement advisor's flip rate)")
 
 
 class Annotation(EventBase):

@@ -360,9 +360,10 @@ def scenario_list() -> None:
     """The scenario library: what each injects, and the alert and playbook that must catch it."""
     from loopwatch.scenarios import load_scenarios
 
-    rows = [[s.name, s.description, ", ".join(s.expected), s.playbook]
+    rows = [[s.name, s.description, ", ".join(s.expected), s.advisor, s.playbook]
             for s in load_scenarios().values()]
-    print_table(["scenario", "injects", "must fire", "playbook"], rows, title="scenarios")
+    print_table(["scenario", "injects", "must fire", "advisor finds", "playbook"], rows,
+                title="scenarios")
 
 
 @scenario_app.command("run")
@@ -513,6 +514,7 @@ def _register_parts() -> None:
     """Commands that live with their parts (ingest, dashboards) join the main CLI here."""
     from loopwatch.bench.cli import register as register_bench
     from loopwatch.dashboards.cli import register as register_dashboards
+    from loopwatch.detectors.advisors.cli import register as register_advisors
     from loopwatch.ingest.cli import register as register_ingest
     from loopwatch.processors.replay.cli import register as register_replay
 
@@ -520,6 +522,7 @@ def _register_parts() -> None:
     register_dashboards(app)
     register_bench(app)
     register_replay(app)
+    register_advisors(app)
 
 
 _register_parts()

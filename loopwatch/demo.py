@@ -262,6 +262,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     data_dir = report["store"].removeprefix("chdb://").removesuffix("/chdb")
     commands = [f"data: {report['store']}",
                 f"investigate: loopwatch investigate top_cost_runs --data-dir {data_dir}",
+                f"advice:      loopwatch advise --data-dir {data_dir}",
                 f"dashboards:  loopwatch serve --data-dir {data_dir}"]
     if capture and capture.get("example_run"):
         commands.append(f"replay:      loopwatch replay {capture['example_run']} "

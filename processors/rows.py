@@ -140,6 +140,8 @@ def llm_call_row(event: LlmCall, priced: PricedCall, mismatch: bool, now: dateti
         "logical_op_id": event.logical_op_id or "",
         "stop_reason": event.stop_reason or "",
         "system_prompt_hash": event.system_prompt_hash or "",
+        "tools_hash": event.tools_hash or "",
+        "history_hash": event.history_hash or "",
         "ingested_at": now,
         "agent_rank": agent_rank,
     }

@@ -133,6 +133,16 @@ def test_demo_reports_every_outcome_exactly_as_the_fleet_planned_it(tmp_path: Pa
     data_dir = tmp_path / "demo"
     assert f"investigate: loopwatch investigate top_cost_runs --data-dir {data_dir}" in printed
     assert f"dashboards:  loopwatch serve --data-dir {data_dir}" in printed
+    assert f"advice:      loopwatch advise --data-dir {data_dir}" in printed
+    # the fleet's too-low timeout (web_search, 1.5 s) and cache-missing agent
+    # (sql-analyst: a timestamp ahead of the breakpoint) are what the advisors find
+    advice = loopwatch("advise", "--json", "--data-dir", str(data_dir))
+    assert advice.returncode == 0, advice.stderr[-3000:]
+    found = {(f["kind"], f["agent"], f["subject"])
+             for f in orjson.loads(advice.stdout)["findings"]}
+    assert ("cache", "sql-analyst", "analyst-v7") in found
+    assert {agent for kind, agent, subject in found
+            if kind == "timeout" and subject == "web_search"} >= {"research-agent"}
 
 
 def _printed_at_80_columns(report: dict[str, object]) -> list[str]:

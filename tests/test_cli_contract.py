@@ -41,6 +41,7 @@ def commands() -> list[str]:
 #: command -> (arguments, the exit code the contract requires). Usage errors (2) are
 #: arguments the command cannot take; runtime errors (1) meet the refusing store/broker.
 CASES: dict[str, tuple[list[str], int]] = {
+    "advise": ([], 1),
     "alerts": ([], 1),
     "bench": (["--events", "many"], 2),
     "dashboards deploy": (["--url", f"http://127.0.0.1:{CLOSED}", "--token", SECRET], 1),
@@ -77,6 +78,7 @@ EXTRA_CASES: list[tuple[list[str], int]] = [
     (["query", "--create", "KILL QUERY WHERE 1"], 1),  # a store to refuse it in
     (["query", "--no-such-option", "SELECT 1"], 2),
     (["no-such-command"], 2),
+    (["advise", "--agent", "a" * 300], 2),
 ]
 
 

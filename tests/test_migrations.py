@@ -46,7 +46,9 @@ BASELINE_SHA256 = {
     "006_events_in.sql": "207a5e23d2e481f2f69a034dde938b1e4d8af2aa25817e02bb091bedf6006573",
 }
 NEW = ["007_ingested_at.sql", "008_minutes.sql", "009_cache_token_names.sql",
-       "010_agent_revisions.sql"]
+       "010_agent_revisions.sql", "011_cache_prefix_hashes.sql"]
+#: columns later migrations added (empty for old rows): not main's
+ADDED = {"llm_calls": ("tools_hash", "history_hash")}
 #: tables that gained ingested_at in 007 (events had it)
 GAINED = ("llm_calls", "tool_calls", "runs", "labels", "annotations")
 #: tables rebuilt by 010 with agent_rank (0 for the rows they had)
@@ -93,8 +95,10 @@ def _contents(client: Client, database: str) -> dict[str, list[tuple[Any, ...]]]
             "SELECT name FROM system.columns WHERE database = {d:String} AND "
             "table = {t:String} AND NOT (name = 'ingested_at' AND table IN {g:Array(String)})"
             " AND NOT (name = 'agent_rank' AND table IN {k:Array(String)})"
-            " AND default_kind != 'ALIAS' ORDER BY position",
-            parameters={"d": database, "t": table, "g": list(GAINED), "k": list(REKEYED)}
+            " AND default_kind != 'ALIAS' AND name NOT IN {added:Array(String)}"
+            " ORDER BY position",
+            parameters={"d": database, "t": table, "g": list(GAINED), "k": list(REKEYED),
+                        "added": list(ADDED.get(table, ()))}
         ).result_rows)
         found[table] = sorted(tuple(row) for row in client.query(
             f"SELECT {columns} FROM {database}.{table}").result_rows)

@@ -18,7 +18,7 @@ REDUCED = ("upstream_tool_outage", "rate_limit_storm", "infinite_loop_storm")
 def test_every_scenario_names_rules_that_route_to_its_playbook():
     rules = load_rules()
     scenarios = load_scenarios()
-    assert len(scenarios) == 11
+    assert len(scenarios) == 15
     for scenario in scenarios.values():
         for rule in scenario.expected:
             assert rules[rule].playbook == scenario.playbook, (scenario.name, rule)
@@ -56,3 +56,26 @@ def test_one_scenario_through_the_live_stack(tmp_path: Path):
     assert result["detected"], result
     assert "tool_error_rate" in result["fired"]
     assert result["time_to_detect_s"] is not None and result["time_to_detect_s"] >= 0
+
+
+ADVISED = ("timeout_too_low", "silent_prompt_cache_miss", "retry_amplification_nested",
+           "quadratic_context", "judge_always_pass", "agent_is_a_pipeline")
+
+
+def test_every_advisor_finds_its_scenario_and_nothing_on_a_clean_day(local_store):
+    """The scorecard's advisor column: each advisor's finding on its scenario (for the
+    scenario's agent, over its injected stretch), none on the clean baseline."""
+    shared, _ = local_store
+    settings = Settings(data_dir=shared.data_dir, database="scorecard_advice",
+                        apply_retention=False)
+    client = migrate(settings)
+    card = score(client, settings, seed=11, history_days=0.05, baseline_hours=2,
+                 scenario_names=ADVISED, observe_minutes=20)
+    result = card.as_json()
+    assert result["baseline"]["false_findings"] == []
+    kinds = {load_scenarios()[name].advisor for name in ADVISED}
+    assert kinds == {"timeout", "cache", "retry_amplification", "quadratic_context",
+                     "judge_agreement", "pipeline_candidate"}
+    for name in ADVISED:
+        entry = result["scenarios"][name]
+        assert entry["advised"] is True, (name, entry)

@@ -348,6 +348,21 @@ class WebApi:
                                       self.clock())
         return numbers.to_json()
 
+    def advice(self, params: Mapping[str, Sequence[str]]) -> dict[str, Any]:
+        """``/api/advice?agent=``: ``loopwatch advise --json`` for the Advice page
+        (detectors/advisors), over the configured window ending at the newest event."""
+        from loopwatch.core.config import load_settings
+        from loopwatch.detectors.advisors import advise_now
+
+        agent = (params.get("agent") or [""])[0]
+        if len(agent) > MAX_VALUE_LENGTH:
+            raise BadRequest(f"agent is at most {MAX_VALUE_LENGTH} characters")
+        settings = load_settings()
+        with self._lock:
+            findings = advise_now(self.reader, settings.advise, agent,
+                                  timedelta(seconds=settings.max_clock_skew_s))
+        return {"findings": [finding.model_dump(mode="json") for finding in findings]}
+
     def alerts(self, params: Mapping[str, Sequence[str]]) -> dict[str, Any]:
         """Firing alerts (the firing-alerts panel's SQL) with their playbooks attached."""
         table = self.panel("firing_alerts", params)

@@ -3,7 +3,7 @@
 Endpoints: ``/api/panels`` (the catalog), ``/api/panel/<id>?from=&to=&agent=...``,
 ``/api/alerts``, ``/api/runs/<run_id>``, ``/api/annotations``, ``/api/variables``,
 ``/api/health`` (503 ``{"ok": false, "store": "unreachable: ..."}`` while the
-store does not answer), ``/api/replay/<run_id>``, ``/api/economics?agent=``;
+store does not answer), ``/api/replay/<run_id>``, ``/api/economics?agent=``, ``/api/advice?agent=``;
 ``/runs/<run_id>`` redirects into the page's drill-down so alert links
 (``LOOPWATCH_LINK_BASE_URL``) land there. Everything else is a file under ``static/``
 (Starlette's ``StaticFiles``: nothing outside it, symlinks out of it included, 404).
@@ -197,6 +197,8 @@ def _route(api: WebApi, route: str, params: dict[str, list[str]]) -> Any:
         return api.replay(route[len("replay/"):])
     if route == "economics":
         return api.economics(params)
+    if route == "advice":
+        return api.advice(params)
     raise NotFound(f"no endpoint /api/{route}")
 
 

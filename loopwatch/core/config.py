@@ -29,6 +29,45 @@ class LoopDetectorSettings(BaseSettings):
     repeats: int = Field(3, ge=2)
 
 
+class AdvisorSettings(BaseSettings):
+    """The advisors (detectors/advisors, docs/advisors.md): what they read and when a
+    finding is worth raising. Rates default to the seeds' illustrative values."""
+
+    model_config = SettingsConfigDict(frozen=True)
+
+    window_h: float = Field(24.0, gt=0, description="findings read this many hours of "
+                            "event time, ending at the newest event")
+    min_span_h: float = Field(1.0, gt=0, description="dollars per day extrapolate the "
+                              "observed volume over at least this many hours of traffic")
+    min_saving_usd_per_day: float = Field(1.0, ge=0, description="a finding with a dollar "
+                                          "saving is raised only from this saving per day")
+    min_saving_share: float = Field(0.01, ge=0, le=1, description="... and only from this "
+                                    "share of the agent's model spend per day")
+    alert_move_share: float = Field(0.2, gt=0, description="a finding whose recommended "
+                                    "value moved by more than this share raises an info alert")
+    interval_s: float = Field(300.0, gt=0, description="seconds between advisor passes in up")
+    timeout_idle_usd_per_s: float = Field(0.002, ge=0, description="TMO IDLE_RATE: what a "
+                                          "worker waiting on a call costs per second")
+    timeout_call_cost_usd: float = Field(0.10, ge=0, description="TMO CALL_COST: the work "
+                                         "thrown away when a call is cut off")
+    timeout_retry_mult: float = Field(1.2, ge=1, description="TMO RETRY_MULT: a retry "
+                                      "repeats more than the call alone")
+    min_calls: int = Field(50, ge=1, description="a tool, prompt version or task type "
+                           "needs this many calls or runs in the window to be judged")
+    cache_ttl_s: float = Field(300.0, gt=0, description="the prompt cache's TTL (5 min)")
+    quad_min_steps: int = Field(10, ge=3, description="a run must have this many model "
+                                "calls for its prefill slope to count")
+    quad_digest_tokens: int = Field(40, ge=1, description="a tool result cut to a digest "
+                                    "of this many tokens (QUAD)")
+    judge_min_pairs: int = Field(30, ge=2, description="runs with both a judge and a human "
+                                 "label needed to judge the judge")
+    judge_min_kappa: float = Field(0.4, ge=-1, le=1, description="a judge whose Cohen's "
+                                   "kappa against humans is below this is flagged")
+    pipeline_determinism: float = Field(0.95, gt=0, le=1, description="a task type whose "
+                                        "runs take the same next step this often is a "
+                                        "pipeline candidate (PIPE, NOAGENT)")
+
+
 class Settings(BaseSettings):
     """All of loopwatch's configuration; frozen so nothing changes it after start-up."""
 
@@ -101,6 +140,7 @@ class Settings(BaseSettings):
     )
     loop: LoopDetectorSettings = Field(default_factory=lambda: LoopDetectorSettings())
     loop_by_task_type: dict[str, LoopDetectorSettings] = Field(default_factory=dict)
+    advise: AdvisorSettings = Field(default_factory=lambda: AdvisorSettings())
     near_miss_factor: float = Field(1.3, gt=1.0)
     prices_file: Path | None = Field(
         None, description="a price table to use instead of the one shipped (prices.json)"

@@ -31,6 +31,8 @@ class Scenario:
     expected: tuple[str, ...]
     behaviour: Behaviour
     agent: str = TARGET_AGENT
+    #: the advisor finding (detectors/advisors kind) the scenario must show, if any
+    advisor: str = ""
 
 
 def _behaviour(overrides: dict[str, Any]) -> Behaviour:
@@ -48,7 +50,7 @@ def load_scenarios() -> dict[str, Scenario]:
 
     >>> scenarios = load_scenarios()
     >>> len(scenarios), scenarios["rate_limit_storm"].expected
-    (11, ('rate_limit_storm',))
+    (15, ('rate_limit_storm',))
     """
     text = resources.files("loopwatch.scenarios").joinpath("library.toml").read_text()
     found: dict[str, Scenario] = {}
@@ -56,5 +58,5 @@ def load_scenarios() -> dict[str, Scenario]:
         found[raw["name"]] = Scenario(
             name=raw["name"], description=raw["description"], playbook=raw["playbook"],
             expected=tuple(raw["expected"]), behaviour=_behaviour(dict(raw["behaviour"])),
-            agent=raw.get("agent", TARGET_AGENT))
+            agent=raw.get("agent", TARGET_AGENT), advisor=raw.get("advisor", ""))
     return found

@@ -41,6 +41,14 @@ class ScenarioResult:
     detected: bool
     time_to_detect_s: float | None
     collateral: list[str] = field(default_factory=list)
+    #: the advisor finding the scenario names, and the kinds of finding it showed
+    advisor: str = ""
+    advice: list[str] = field(default_factory=list)
+
+    @property
+    def advised(self) -> bool | None:
+        """Whether the scenario's advisor found it (None: it names none)."""
+        return self.advisor in self.advice if self.advisor else None
 
 
 @dataclass
@@ -49,23 +57,30 @@ class Scorecard:
     baseline_hours: float
     false_alerts: dict[str, int]
     false_alert_rules: list[str]
+    #: advisor findings on the clean baseline, as kind:agent:subject (none expected)
+    false_findings: list[str] = field(default_factory=list)
 
     @property
     def recall(self) -> float:
-        if not self.scenarios:
+        """Of the scenarios an alert rule must catch (advisor-only ones name none)."""
+        paged = [r for r in self.scenarios.values() if r.expected]
+        if not paged:
             return 0.0
-        return sum(r.detected for r in self.scenarios.values()) / len(self.scenarios)
+        return sum(r.detected for r in paged) / len(paged)
 
     def as_json(self) -> dict[str, Any]:
         times = [r.time_to_detect_s for r in self.scenarios.values()
                  if r.time_to_detect_s is not None]
         return {
             "scenarios": {name: {"detected": r.detected, "expected": r.expected,
-                                 "fired": r.fired, "time_to_detect_s": r.time_to_detect_s}
+                                 "fired": r.fired, "time_to_detect_s": r.time_to_detect_s,
+                                 "advisor": r.advisor, "advice": r.advice,
+                                 "advised": r.advised}
                           for name, r in self.scenarios.items()},
             "baseline": {"simulated_hours": self.baseline_hours,
                          "false_alerts": self.false_alerts,
-                         "false_alert_rules": self.false_alert_rules},
+                         "false_alert_rules": self.false_alert_rules,
+                         "false_findings": self.false_findings},
             "recall": self.recall,
             "median_time_to_detect_s": statistics.median(times) if times else None,
         }
@@ -148,6 +163,7 @@ def score(client: Client, settings: Settings, *, seed: int = 7, history_days: fl
     baseline_end = history_end + timedelta(hours=baseline_hours)
     baseline = simulation.advance(history_end, baseline_end, timedelta(minutes=5))
     false_fired = [t.alert for t in baseline if t.kind == "fired"]
+    false_findings = [":".join(f.identity) for f in _advice(client, history_end, baseline_end)]
     results: dict[str, ScenarioResult] = {}
     moment = baseline_end
     for scenario in chosen:
@@ -159,7 +175,20 @@ def score(client: Client, settings: Settings, *, seed: int = 7, history_days: fl
         false_alerts={severity: sum(alert.severity == severity for alert in false_fired)
                       for severity in ("critical", "warning", "info")},
         false_alert_rules=sorted({alert.rule for alert in false_fired}),
+        false_findings=false_findings,
     )
+
+
+def _advice(client: Client, since: datetime, until: datetime, agent: str = "") -> list[Any]:
+    """The advisors' findings over a stretch of simulated time (detectors/advisors)."""
+    from loopwatch.core.config import AdvisorSettings
+    from loopwatch.detectors.advisors import advise
+    from loopwatch.detectors.advisors.alerting import QueryReader
+    from loopwatch.detectors.advisors.base import Scope
+
+    reader = QueryReader(lambda sql, parameters: run_query(client, sql, parameters,
+                                                           readonly=True))
+    return advise(reader, Scope(since, until, agent), AdvisorSettings())
 
 
 def _run_scenario(simulation: Simulation, scenario: Scenario, start: datetime,
@@ -172,12 +201,15 @@ def _run_scenario(simulation: Simulation, scenario: Scenario, start: datetime,
     recovered = observe_until + timedelta(minutes=45)
     simulation.advance(observe_until, recovered, timedelta(minutes=5))
     fired = _first_fired(transitions, scenario.agent)
+    advice = sorted({f.kind for f in _advice(simulation.client, inject_at, observe_until,
+                                             scenario.agent)})
     caught = [rule for rule in scenario.expected if rule in fired]
-    detected = bool(caught)
+    detected = bool(caught) if scenario.expected else scenario.advisor in advice
     time_to_detect = (min((fired[rule] - inject_at).total_seconds() for rule in caught)
                       if caught else None)
     result = ScenarioResult(
         expected=list(scenario.expected), fired=sorted(fired), detected=detected,
         time_to_detect_s=time_to_detect,
-        collateral=sorted(set(fired) - set(scenario.expected)))
+        collateral=sorted(set(fired) - set(scenario.expected)),
+        advisor=scenario.advisor, advice=advice)
     return result, recovered

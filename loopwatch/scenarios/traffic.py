@@ -38,6 +38,24 @@ class Behaviour:
     tool_median_ms: float = 300.0
     rate_limit_share: float = 0.001
     permanent_400_attempts: int = 0
+    #: an orchestrator re-queues each run this many more times, as new runs sharing its
+    #: ``job_id`` (the job layer of retry amplification)
+    job_retries: int = 0
+    #: runs this long (model calls), each re-sending this many more tokens per step
+    #: (QUAD: output and the raw tool result); None = the agent's own steps
+    steps: tuple[int, int] | None = None
+    context_growth: int = 300
+    #: this share of successful runs gets both an LLM judge's and a human's label: the
+    #: human finds ``human_wrong_share`` wrong; the judge agrees with the human except on
+    #: ``judge_flip_share`` of them, or passes everything (``judge_always_pass``)
+    judge_share: float = 0.0
+    human_wrong_share: float = 0.2
+    judge_flip_share: float = 0.0
+    judge_always_pass: bool = False
+    #: the judge reports a position flip (order swapped, verdict changed) this often
+    judge_position_flip_share: float = 0.0
+    #: every run takes its agent's tools in the same order: a pipeline, not an agent
+    fixed_path: bool = False
     response_model: str = "claude-sonnet-4-20260901"
     output_tokens: tuple[int, int] = (80, 400)
 
@@ -80,10 +98,21 @@ class Traffic:
                 behaviour = agent.behaviour
                 if injection and injection.agent == agent.name and moment >= injection.at:
                     behaviour = injection.behaviour
-                yield from self._run(agent, behaviour, moment, rng)
+                if behaviour.job_retries:
+                    yield from self._job(agent, behaviour, moment, rng)
+                else:
+                    yield from self._run(agent, behaviour, moment, rng)
 
-    def _run(self, agent: Agent, b: Behaviour, start: datetime,
+    def _job(self, agent: Agent, b: Behaviour, start: datetime,
              rng: random.Random) -> Iterator[EventBase]:
+        """One work item run ``1 + job_retries`` times, a minute apart."""
+        job_id = uuid.UUID(int=rng.getrandbits(128)).hex
+        for attempt in range(1 + b.job_retries):
+            yield from self._run(agent, b, start + timedelta(minutes=attempt), rng,
+                                 {"job_id": job_id, "job_attempt": attempt + 1})
+
+    def _run(self, agent: Agent, b: Behaviour, start: datetime, rng: random.Random,
+             job: dict[str, object] | None = None) -> Iterator[EventBase]:
         run_id = uuid.UUID(int=rng.getrandbits(128)).hex
         common = {"run_id": run_id, "agent": agent.name, "model": agent.model,
                   "task_type": "support", "prompt_version": "v1", "deployment": "d1"}
@@ -97,14 +126,20 @@ class Traffic:
                 fate = name
                 break
             draw -= share
-        steps = rng.randint(*agent.steps) + (4 if fate in ("looped", "budget") else 0)
+        steps = rng.randint(*(b.steps or agent.steps)) + (4 if fate in ("looped", "budget")
+                                                           else 0)
         clock = start
-        yield RunStart(ts=clock, step_cap=12, **common)
+        yield RunStart(ts=clock, step_cap=12, **common, **(job or {}))  # type: ignore[arg-type]
         for number in range(steps):
             clock += timedelta(seconds=rng.uniform(2, 6))
             yield Step(ts=clock, step=number, **common)
             yield from self._llm(agent, b, clock, number, common, rng)
-            tool = agent.tools[0] if fate == "looped" else rng.choice(agent.tools)
+            if fate == "looped":
+                tool = agent.tools[0]
+            elif b.fixed_path:
+                tool = agent.tools[number % len(agent.tools)]
+            else:
+                tool = rng.choice(agent.tools)
             args = "loop" if fate == "looped" and number >= steps - 4 else f"{number}"
             yield self._tool(b, clock, tool, args, common, rng)
         clock += timedelta(seconds=1)
@@ -117,11 +152,28 @@ class Traffic:
         if fate == "success" and rng.random() < b.label_share:
             verdict = "wrong" if rng.random() < b.wrong_share_of_labels else "correct"
             yield Label(ts=clock + timedelta(minutes=1), verdict=verdict, **common)
+        if fate == "success" and b.judge_share and rng.random() < b.judge_share:
+            yield from self._judged(b, clock, common, rng)
+
+    @staticmethod
+    def _judged(b: Behaviour, clock: datetime, common: dict[str, str],
+                rng: random.Random) -> Iterator[EventBase]:
+        """A judge's label and a human's for one run (JUDGE)."""
+        human = "wrong" if rng.random() < b.human_wrong_share else "correct"
+        flipped = rng.random() < b.judge_flip_share
+        judge = ("correct" if b.judge_always_pass
+                 else {"wrong": "correct", "correct": "wrong"}[human] if flipped else human)
+        flip = (rng.random() < b.judge_position_flip_share
+                if b.judge_position_flip_share else None)
+        yield Label(ts=clock + timedelta(minutes=2), verdict=judge, label_source="judge",
+                    position_flipped=flip, **common)
+        yield Label(ts=clock + timedelta(minutes=3), verdict=human, label_source="human",
+                    **common)
 
     def _llm(self, agent: Agent, b: Behaviour, clock: datetime, number: int,
              common: dict[str, str], rng: random.Random) -> Iterator[EventBase]:
         system = int(agent.system_tokens * b.input_multiplier)
-        context = system + 300 * number + rng.randint(0, 100)
+        context = system + b.context_growth * number + rng.randint(0, 100)
         cached = system if b.cache_works and number > 0 else 0
         written = system if number == 0 or not b.cache_works else 0  # broken: every call
         attempts = b.permanent_400_attempts
@@ -133,8 +185,13 @@ class Traffic:
             return
         limited = rng.random() < b.rate_limit_share
         output = rng.randint(*b.output_tokens)
+        # the system prompt's hash: one per agent, or (a timestamp ahead of the cache
+        # breakpoint) a new one on every call
+        system_hash = (f"{agent.name}-system" if b.cache_works
+                       else f"{agent.name}-system-{common['run_id']}-{number}")
         yield LlmCall(
             ts=clock, step=number, provider="anthropic", input_tokens=context,
+            system_prompt_hash=system_hash,
             output_tokens=0 if limited else output, cache_read_input_tokens=cached,
             cache_creation_input_tokens=written, response_model=b.response_model,
             http_status=429 if limited else 200, error_type="rate_limited" if limited else None,

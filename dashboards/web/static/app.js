@@ -119,10 +119,11 @@
     let focus = null;
     if (view === "replay") { view = "run"; focus = "replay"; }  // alert links: #/replay/<run>
     if (view === "run") { runId = parts[1] ? decodeURIComponent(parts.slice(1).join("/")) : null; }
-    if (!["realtime", "trends", "run"].includes(view)) view = "realtime";
+    if (!["realtime", "trends", "run", "advice"].includes(view)) view = "realtime";
     return { view, runId, params, focus };
   }
-  function tierOf(view) { return view === "run" ? "drilldown" : view; }
+  // the Advice page has no panels of its own: it keeps the realtime tier's controls
+  function tierOf(view) { return view === "run" ? "drilldown" : view === "advice" ? "realtime" : view; }
   function writeHash(view, runId) {
     const params = new URLSearchParams();
     params.set("range", state.range);
@@ -163,7 +164,8 @@
     tabs.replaceChildren(
       h("a", { class: "tab", href: "#/realtime", "data-view": "realtime", text: "Operational health" }),
       h("a", { class: "tab", href: "#/trends", "data-view": "trends", text: "Trends" }),
-      h("a", { class: "tab", href: "#/run", "data-view": "run", text: "Run drill-down" }));
+      h("a", { class: "tab", href: "#/run", "data-view": "run", text: "Run drill-down" }),
+      h("a", { class: "tab", href: "#/advice", "data-view": "advice", text: "Advice" }));
     byId("range").addEventListener("change", (event) => {
       state.range = event.target.value; writeHash(state.route.view, state.route.runId);
     });
@@ -239,6 +241,7 @@
     const main = byId("main");
     main.replaceChildren();
     if (view === "run") renderDrilldown(main, tier, runId);
+    else if (view === "advice") renderAdvice(main);
     else renderTier(main, tier);
     refreshData();
   }
@@ -315,6 +318,8 @@
       const jobs = [loadAlerts(signal)];
       if (view === "run" && runId) {
         jobs.push(loadRun(runId, signal));
+      } else if (view === "advice") {
+        jobs.push(loadAdvice(signal));
       } else {
         for (const [id, panel] of Object.entries(state.views)) {
           if (id === "firing_alerts") continue;  // drawn from /api/alerts, the same SQL
@@ -487,6 +492,105 @@
       h("p", { class: "why", text: `Worth it when ${body.verdict}: re-running until a failure mode recurs costs 1/p runs of tokens and of an engineer waiting.` }));
     box.dataset.modes = String(body.failure_modes.length);
     box.dataset.state = "ready";
+  }
+
+  // --- advice (detectors/advisors, docs/advisors.md) ------------------------------------
+  function renderAdvice(main) {
+    main.append(h("h2", { class: "section-title", text: "Advice: what to change, what it is worth" }),
+      h("section", { class: "advice", id: "advice", "data-state": "loading" },
+        h("div", { class: "note", text: "loading…" })));
+  }
+
+  async function loadAdvice(signal) {
+    const agent = state.vars.agent || new URLSearchParams(location.hash.split("?")[1] || "").get("agent") || "";
+    try {
+      drawAdvice(await getJSON(`/api/advice?agent=${encodeURIComponent(agent)}`, signal));
+    } catch (error) {
+      if (!signal.aborted) failBox("advice", error);
+    }
+  }
+
+  function drawAdvice(body) {
+    const box = byId("advice");
+    if (!box) return;
+    state.adviceCharts = [];
+    box.replaceChildren(...(body.findings.length ? body.findings.map(adviceCard)
+      : [h("div", { class: "empty", text: "No finding worth raising in the window." })]));
+    for (const draw of state.adviceCharts) draw();
+    box.dataset.findings = String(body.findings.length);
+    box.dataset.state = "ready";
+  }
+
+  function adviceCard(finding) {
+    const saving = finding.saving_usd_per_day === null ? "no dollar figure"
+      : `saves ${fmt(finding.saving_usd_per_day, "currencyUSD", 2)}/day`;
+    const chart = h("div", { class: "advice-chart" });
+    const card = h("section", { class: "panel advice-card", "data-kind": finding.kind,
+      "data-agent": finding.agent, "data-subject": finding.subject },
+      h("h3", { text: `${finding.kind} · ${finding.agent} / ${finding.subject}` }),
+      h("p", { class: "saving", text: saving }),
+      h("p", { class: "recommendation", text: finding.recommendation }),
+      chart,
+      h("details", {}, h("summary", { text: "evidence query" }),
+        h("pre", { class: "sql", text: finding.query })));
+    const ev = finding.evidence;
+    if (finding.kind === "timeout") {
+      state.adviceCharts.push(() => costCurve(chart, ev));
+    } else if (finding.kind === "quadratic_context") {
+      state.adviceCharts.push(() => prefillSlope(chart, ev.longest_run));
+    } else if (finding.kind === "judge_agreement") {
+      chart.append(confusionTable(ev));
+    }
+    return card;
+  }
+
+  function adviceChart(body, label, xs, series, xUnit, yUnit) {
+    const opts = {
+      width: Math.max(body.clientWidth, 280), height: 220, legend: { live: false },
+      cursor: { drag: { x: false, y: false } },
+      scales: { x: { time: false }, y: { range: (u, min, max) => [Math.min(0, min), max > 0 ? max * 1.1 : 1] } },
+      axes: [axisStyle({ label, values: (u, splits) => splits.map((v) => fmt(v, xUnit, null)) }),
+        axisStyle({ size: 64, values: (u, splits) => splits.map((v) => fmt(v, yUnit, null)) })],
+      series: [{}].concat(series.map((s, i) => ({
+        label: s.name, stroke: color(s.color || PALETTE[i % PALETTE.length]), width: s.line ? 2 : 0,
+        points: { show: !s.line, size: 10 }, spanGaps: false,
+      }))),
+    };
+    return new uPlot(opts, [xs].concat(series.map((s) => s.values)), body);
+  }
+
+  function costCurve(body, ev) {
+    // cost(T) with today's T and the optimum marked (TMO)
+    const xs = ev.cost_curve.map((p) => p[0]);
+    const cost = ev.cost_curve.map((p) => p[1]);
+    const mark = (t) => xs.map((x, i) => (x === t ? cost[i] : null));
+    adviceChart(body, "timeout", xs, [
+      { name: "expected cost per call", values: cost, line: true },
+      { name: "today's timeout", values: mark(ev.timeout_ms), color: "red" },
+      { name: "recommended", values: mark(ev.recommended_timeout_ms), color: "green" },
+    ], "ms", "currencyUSD");
+  }
+
+  function prefillSlope(body, run) {
+    // prefill tokens per step as fitted, and with digests (QUAD)
+    const xs = Array.from({ length: run.calls }, (_, k) => k);
+    adviceChart(body, "step", xs, [
+      { name: "prefill (fitted)", values: xs.map((k) => run.intercept_tokens + run.slope_tokens_per_step * k), line: true },
+      { name: "with digests", values: xs.map((k) => run.intercept_tokens + run.digest_slope_tokens_per_step * k), line: true, color: "green" },
+    ], "short", "short");
+  }
+
+  function confusionTable(ev) {
+    const c = ev.confusion;
+    return h("table", { class: "data confusion" },
+      h("thead", {}, h("tr", {}, h("th", { text: "" }), h("th", { class: "num", text: "human pass" }),
+        h("th", { class: "num", text: "human fail" }))),
+      h("tbody", {},
+        h("tr", {}, h("th", { text: "judge pass" }), h("td", { class: "num", text: String(c.judge_pass.human_pass) }),
+          h("td", { class: "num", text: String(c.judge_pass.human_fail) })),
+        h("tr", {}, h("th", { text: "judge fail" }), h("td", { class: "num", text: String(c.judge_fail.human_pass) }),
+          h("td", { class: "num", text: String(c.judge_fail.human_fail) }))),
+      h("caption", { text: `kappa ${ev.kappa.toFixed(2)} · agreement ${fmt(ev.agreement, "percentunit", 0)} · always-pass ${fmt(ev.always_pass_agreement, "percentunit", 0)}, kappa 0` }));
   }
 
   function drawRunSummary(data) {

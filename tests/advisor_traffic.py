@@ -10,7 +10,7 @@ from loopwatch.ingest.events import EventBase
 from loopwatch.ingest.sdk import Emitter
 from loopwatch.scenarios import FLEET, load_scenarios
 from loopwatch.scenarios.traffic import Behaviour, Injection, Traffic
-from tests.conftest import wait_stored
+from tests.conftest import scalar, wait_for, wait_stored
 
 
 def scenario_events(agent: str, behaviour: Behaviour, start: datetime, hours: float,
@@ -31,3 +31,12 @@ def emit_all(emitter: Emitter, reader, agent: str, events: list[EventBase]) -> N
         emitter.emit(event)
     emitter.flush(120)
     wait_stored(reader, agent, len(events), timeout_s=300)
+    # a batch's raw events are written before its call rows: wait for those too
+    for table, kind in (("llm_calls", "llm.call"), ("tool_calls", "tool.call")):
+        expected = sum(1 for event in events if event.event_type == kind)
+        wait_for(lambda table=table, expected=expected: scalar(
+            reader, f"SELECT count() FROM {table} FINAL WHERE agent = {{a:String}}",
+            a=agent) >= expected, 120, what=f"{expected} {table} rows of {agent}")
+    runs = len({event.run_id for event in events})
+    wait_for(lambda: scalar(reader, "SELECT count() FROM runs FINAL WHERE agent = {a:String}",
+                            a=agent) >= runs, 120, what=f"{runs} runs of {agent}")

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.stack  # starts its own broker, `loopwatch up` and work
 
 AGENT = "churn"
 ENV_TOPIC = Settings.model_fields["events_topic"].default
-RUNS = 20_000
+RUNS = 12_000
 
 
 @pytest.fixture()

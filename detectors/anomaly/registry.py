@@ -5,14 +5,34 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from detectors.anomaly.base import AnomalyDetector
+from detectors.anomaly.contextual import ContextNovelty
 from detectors.anomaly.cusum import Cusum
+from detectors.anomaly.ensemble import MaxEnsemble
 from detectors.anomaly.ewma import EWMALevelShift
 from detectors.anomaly.gaussian import WindowedGaussian
 from detectors.anomaly.generic import GenericDetector
 from detectors.anomaly.ks import KSShift
 from detectors.anomaly.proportion import ProportionDetector
+from detectors.anomaly.refractory import Refractory
 from detectors.anomaly.robust_z import RobustZScore
 from detectors.anomaly.seasonal import SeasonalBaseline
+
+
+def episodic() -> AnomalyDetector:
+    """``generic``'s residual likelihood, paging once per episode (the default)."""
+    return Refractory(GenericDetector(), rest=150, level=0.45, name="episodic")
+
+
+def contextual() -> AnomalyDetector:
+    """CAD-OSE-style contextual novelty, each burst of novelty reported once."""
+    return Refractory(ContextNovelty(), rest=150, level=None, name="contextual")
+
+
+def ensemble() -> AnomalyDetector:
+    """``generic`` and ``contextual`` voting by weighted maximum, once per episode."""
+    members = [(GenericDetector(), 1.0), (ContextNovelty(), 0.5)]
+    return Refractory(MaxEnsemble(members), rest=150, level=0.45, name="ensemble")
+
 
 DETECTORS: dict[str, Callable[[], AnomalyDetector]] = {
     "robust_z": RobustZScore,
@@ -22,9 +42,13 @@ DETECTORS: dict[str, Callable[[], AnomalyDetector]] = {
     "seasonal": SeasonalBaseline,
     "ks": KSShift,
     "generic": GenericDetector,
+    "episodic": episodic,
+    "contextual": contextual,
+    "ensemble": ensemble,
     "windowed_gaussian": WindowedGaussian,
 }
 """Every entry builds a fresh detector with its defaults."""
 
-DEFAULT_DETECTOR = "generic"
-"""For generic per-minute metric series (what the alert rules use unless told otherwise)."""
+DEFAULT_DETECTOR = "episodic"
+"""For generic per-minute metric series (what the alert rules use unless told otherwise):
+``generic`` inside a refractory period, chosen on NAB (docs/detectors.md)."""

@@ -30,7 +30,8 @@ def contextual() -> AnomalyDetector:
 
 def ensemble() -> AnomalyDetector:
     """``generic`` and ``contextual`` voting by weighted maximum, once per episode."""
-    members = [(GenericDetector(), 1.0), (ContextNovelty(), 0.5)]
+    members: list[tuple[AnomalyDetector, float]] = [
+        (GenericDetector(), 1.0), (ContextNovelty(), 0.5)]
     return Refractory(MaxEnsemble(members), rest=150, level=0.45, name="ensemble")
 
 

@@ -113,3 +113,25 @@ def test_leave_one_out_of_one_detector_is_exact() -> None:
     raw = _tp(11, 10, 13) - 1.0
     assert score == pytest.approx(100.0 * (raw - -2.0) / (2.0 - -2.0))
     assert chosen == {"a.csv": "d", "b.csv": "d"}
+
+
+def test_nab_table_cache_returns_what_a_fresh_run_gives(tmp_path: Path) -> None:
+    from bench.nab_table import cached_scores
+
+    values, times = shifted(600, 500), minutes(600)
+    series = LabelledSeries("x.csv", tuple(times), tuple(values), ((480, 520),))
+    fresh = run_detector(DETECTORS["episodic"](), series)
+    first, _ = cached_scores("episodic", DETECTORS["episodic"], series, tmp_path)
+    stored = list(tmp_path.rglob("*.npz"))
+    second, _ = cached_scores("episodic", lambda: 1 / 0, series, tmp_path)  # type: ignore[arg-type,return-value]
+    assert len(stored) == 1
+    assert first.tolist() == second.tolist() == fresh.tolist()
+
+
+def test_nab_table_refuses_an_unknown_detector(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.nab_table import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--only", "no_such_detector", "--data", str(NAB)])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'no_such_detector'" in capsys.readouterr().err

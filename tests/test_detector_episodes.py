@@ -135,3 +135,16 @@ def test_nab_table_refuses_an_unknown_detector(capsys: pytest.CaptureFixture[str
         main(["--only", "no_such_detector", "--data", str(NAB)])
     assert exit_info.value.code == 2
     assert "invalid choice: 'no_such_detector'" in capsys.readouterr().err
+
+
+def test_episodic_range_check_waits_for_the_likelihood() -> None:
+    """A record set 300 points into a series (a day of 5-minute points, ordinary traffic
+    on a young range) pages generic at once (range check: 1.0) and not episodic's
+    generic, whose range check waits for the likelihood's 388 points of learning."""
+    from detectors.anomaly.registry import EPISODIC
+
+    values = [10.0 + 0.5 * ((i * 7) % 5) for i in range(300)] + [16.0]
+    times = [START + timedelta(minutes=5 * i) for i in range(301)]
+    assert score_series(GenericDetector(), values, times)[300] == 1.0
+    assert score_series(GenericDetector(EPISODIC), values, times)[300] == 0.0
+    assert EPISODIC.spatial_warmup == GenericDetector().config.learning == 388

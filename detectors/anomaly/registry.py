@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from detectors.anomaly.base import AnomalyDetector
 from detectors.anomaly.contextual import ContextNovelty
@@ -10,17 +11,22 @@ from detectors.anomaly.cusum import Cusum
 from detectors.anomaly.ensemble import MaxEnsemble
 from detectors.anomaly.ewma import EWMALevelShift
 from detectors.anomaly.gaussian import WindowedGaussian
-from detectors.anomaly.generic import GenericDetector
+from detectors.anomaly.generic import GenericConfig, GenericDetector
 from detectors.anomaly.ks import KSShift
 from detectors.anomaly.proportion import ProportionDetector
 from detectors.anomaly.refractory import Refractory
 from detectors.anomaly.robust_z import RobustZScore
 from detectors.anomaly.seasonal import SeasonalBaseline
 
+EPISODIC = replace(GenericConfig(), spatial_warmup=GenericConfig().learning, spatial_min_z=5.0)
+"""``generic``'s settings inside ``episodic``: its range check waits until the likelihood has
+learned and wants 5 sigmas, so a day-old range broken by ordinary traffic does not page (no
+difference on NAB, where the probation period covers the warm-up)."""
+
 
 def episodic() -> AnomalyDetector:
     """``generic``'s residual likelihood, paging once per episode (the default)."""
-    return Refractory(GenericDetector(), rest=150, level=0.45, name="episodic")
+    return Refractory(GenericDetector(EPISODIC), rest=150, level=0.45, name="episodic")
 
 
 def contextual() -> AnomalyDetector:

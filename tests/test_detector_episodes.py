@@ -148,3 +148,22 @@ def test_episodic_range_check_waits_for_the_likelihood() -> None:
     assert score_series(GenericDetector(), values, times)[300] == 1.0
     assert score_series(GenericDetector(EPISODIC), values, times)[300] == 0.0
     assert EPISODIC.spatial_warmup == GenericDetector().config.learning == 388
+
+
+def test_cost_anomaly_rule_does_not_page_on_a_young_series_record() -> None:
+    """The clean-day false warning of the scorecard (issue 29): one day of 5-minute cost
+    points and then an ordinary record. The rule's detector (now episodic) stays
+    inactive; generic, the rule's detector before, scored the record 1.0 and paged."""
+    from dataclasses import replace
+
+    from detectors.rules import evaluate, load_rules
+
+    rule = load_rules()["cost_per_minute_anomaly"]
+    values = [1.0 + 0.25 * ((i * 7) % 5) for i in range(295)] + [4.0]
+    rows = [{"agent": "research-agent", "t": START + timedelta(minutes=5 * i), "value": v}
+            for i, v in enumerate(values)]
+    assert rule.detector == "episodic"
+    (finding,) = evaluate(rule, rows, series={})
+    assert (finding.state, finding.extra["score"]) == ("inactive", 0.0)
+    (before,) = evaluate(replace(rule, detector="generic"), rows, series={})
+    assert (before.state, before.extra["score"]) == ("active", 1.0)

@@ -137,29 +137,36 @@ def test_nab_table_refuses_an_unknown_detector(capsys: pytest.CaptureFixture[str
     assert "invalid choice: 'no_such_detector'" in capsys.readouterr().err
 
 
-def test_episodic_range_check_waits_for_the_likelihood() -> None:
-    """A record set 300 points into a series (a day of 5-minute points, ordinary traffic
-    on a young range) pages generic at once (range check: 1.0) and not episodic's
-    generic, whose range check waits for the likelihood's 388 points of learning."""
+def young_record() -> list[float]:
+    """A day of 5-minute points (robust sigma 0.0148), then a record 4.5 sigmas up."""
+    return [1.5 + 0.01 * (((i * 7) % 5) - 2) for i in range(295)] + [1.5 + 4.5 * 0.01 * 1.4826]
+
+
+def test_episodic_range_check_wants_five_sigmas() -> None:
+    """The record is beyond the range seen by more than 5 % of it and 4.5 sigmas off:
+    generic's range check (4 sigmas) scores it 1.0; episodic's (5 sigmas) leaves it to
+    the likelihood, which is still learning (295 of 388 points): 0.0."""
     from detectors.anomaly.registry import EPISODIC
 
-    values = [10.0 + 0.5 * ((i * 7) % 5) for i in range(300)] + [16.0]
-    times = [START + timedelta(minutes=5 * i) for i in range(301)]
-    assert score_series(GenericDetector(), values, times)[300] == 1.0
-    assert score_series(GenericDetector(EPISODIC), values, times)[300] == 0.0
-    assert EPISODIC.spatial_warmup == GenericDetector().config.learning == 388
+    values = young_record()
+    times = [START + timedelta(minutes=5 * i) for i in range(len(values))]
+    generic = GenericDetector()
+    assert score_series(generic, values, times)[-1] == 1.0
+    assert generic._last is not None and generic._last.z == pytest.approx(4.5)
+    assert score_series(GenericDetector(EPISODIC), values, times)[-1] == 0.0
+    assert EPISODIC.spatial_min_z == 5.0
 
 
 def test_cost_anomaly_rule_does_not_page_on_a_young_series_record() -> None:
     """The clean-day false warning of the scorecard (issue 29): one day of 5-minute cost
-    points and then an ordinary record. The rule's detector (now episodic) stays
-    inactive; generic, the rule's detector before, scored the record 1.0 and paged."""
+    points and then a record between 4 and 5 sigmas (the clean day's was). The rule's
+    detector (now episodic) stays inactive; generic, its detector before, paged."""
     from dataclasses import replace
 
     from detectors.rules import evaluate, load_rules
 
     rule = load_rules()["cost_per_minute_anomaly"]
-    values = [1.0 + 0.25 * ((i * 7) % 5) for i in range(295)] + [4.0]
+    values = young_record()
     rows = [{"agent": "research-agent", "t": START + timedelta(minutes=5 * i), "value": v}
             for i, v in enumerate(values)]
     assert rule.detector == "episodic"

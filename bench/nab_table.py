@@ -43,13 +43,13 @@ from bench.nab_score import (
 from detectors.anomaly.base import AnomalyDetector
 from detectors.anomaly.generic import GenericDetector
 from detectors.anomaly.refractory import Refractory
-from detectors.anomaly.registry import DEFAULT_DETECTOR, DETECTORS
+from detectors.anomaly.registry import DEFAULT_DETECTOR, DETECTORS, EPISODIC
 
 ROWS = ("generic", "episodic", "contextual", "ensemble", "windowed_gaussian")
 """Detectors in the table: today's default, the new ones, NAB's baseline."""
 
 def _episodic(rest: int, level: float) -> Callable[[], AnomalyDetector]:
-    return lambda: Refractory(GenericDetector(), rest=rest, level=level)
+    return lambda: Refractory(GenericDetector(EPISODIC), rest=rest, level=level)
 
 
 FAMILY: dict[str, Callable[[], AnomalyDetector]] = {

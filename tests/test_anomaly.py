@@ -186,9 +186,9 @@ def test_score_one_changes_nothing(name: str) -> None:
 
 
 def test_registry() -> None:
-    assert DEFAULT_DETECTOR == "generic"
+    assert DEFAULT_DETECTOR == "episodic"  # issue 29: generic inside a refractory period
     assert {"robust_z", "ewma", "cusum", "proportion", "seasonal", "ks", "generic",
-            "windowed_gaussian"} <= set(DETECTORS)
+            "episodic", "contextual", "ensemble", "windowed_gaussian"} <= set(DETECTORS)
     for name, factory in DETECTORS.items():
         det = factory()
         assert isinstance(det, AnomalyDetector)

@@ -11,12 +11,16 @@ One module per detector, each class saying which signal it suits:
 ``proportion``         rates from small counts, k of n (:mod:`.proportion`)
 ``seasonal``           same hour of the week or day (:mod:`.seasonal`)
 ``ks``                 distribution shift, e.g. completion lengths (:mod:`.ks`)
-``generic``            the default for per-minute metric series (:mod:`.generic`)
+``generic``            residual likelihood for per-minute metric series (:mod:`.generic`)
+``episodic``           the default: ``generic`` paging once per episode (:mod:`.refractory`)
+``contextual``         CAD-OSE-style novelty of a value in its context (:mod:`.contextual`)
+``ensemble``           weighted-maximum vote of generic and contextual (:mod:`.ensemble`)
 ``windowed_gaussian``  NAB's baseline, for comparison only (:mod:`.gaussian`)
 =====================  =============================================================
 
 :mod:`.registry` maps these names to factories; :mod:`.csvscore` scores a CSV file;
-``python -m loopwatch.bench.nab_score`` scores them all on the Numenta Anomaly Benchmark.
+``python -m loopwatch.bench.nab_score`` scores them all on the Numenta Anomaly Benchmark and
+``python -m loopwatch.bench.nab_table`` gives the leave-one-file-out table of docs/detectors.md.
 """
 
 from loopwatch.detectors.anomaly.base import AnomalyDetector, score_series

@@ -3,16 +3,43 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from loopwatch.detectors.anomaly.base import AnomalyDetector
+from loopwatch.detectors.anomaly.contextual import ContextNovelty
 from loopwatch.detectors.anomaly.cusum import Cusum
+from loopwatch.detectors.anomaly.ensemble import MaxEnsemble
 from loopwatch.detectors.anomaly.ewma import EWMALevelShift
 from loopwatch.detectors.anomaly.gaussian import WindowedGaussian
-from loopwatch.detectors.anomaly.generic import GenericDetector
+from loopwatch.detectors.anomaly.generic import GenericConfig, GenericDetector
 from loopwatch.detectors.anomaly.ks import KSShift
 from loopwatch.detectors.anomaly.proportion import ProportionDetector
+from loopwatch.detectors.anomaly.refractory import Refractory
 from loopwatch.detectors.anomaly.robust_z import RobustZScore
 from loopwatch.detectors.anomaly.seasonal import SeasonalBaseline
+
+EPISODIC = replace(GenericConfig(), spatial_min_z=5.0)
+"""``generic``'s settings inside ``episodic``: its range check wants 5 sigmas, not 4, so an
+ordinary record on a day-old range does not page (the scorecard's clean day); on NAB this
+changes no score."""
+
+
+def episodic() -> AnomalyDetector:
+    """``generic``'s residual likelihood, paging once per episode (the default)."""
+    return Refractory(GenericDetector(EPISODIC), rest=150, level=0.45, name="episodic")
+
+
+def contextual() -> AnomalyDetector:
+    """CAD-OSE-style contextual novelty, each burst of novelty reported once."""
+    return Refractory(ContextNovelty(), rest=150, level=None, name="contextual")
+
+
+def ensemble() -> AnomalyDetector:
+    """``generic`` and ``contextual`` voting by weighted maximum, once per episode."""
+    members: list[tuple[AnomalyDetector, float]] = [
+        (GenericDetector(), 1.0), (ContextNovelty(), 0.5)]
+    return Refractory(MaxEnsemble(members), rest=150, level=0.45, name="ensemble")
+
 
 DETECTORS: dict[str, Callable[[], AnomalyDetector]] = {
     "robust_z": RobustZScore,
@@ -22,9 +49,13 @@ DETECTORS: dict[str, Callable[[], AnomalyDetector]] = {
     "seasonal": SeasonalBaseline,
     "ks": KSShift,
     "generic": GenericDetector,
+    "episodic": episodic,
+    "contextual": contextual,
+    "ensemble": ensemble,
     "windowed_gaussian": WindowedGaussian,
 }
 """Every entry builds a fresh detector with its defaults."""
 
-DEFAULT_DETECTOR = "generic"
-"""For generic per-minute metric series (what the alert rules use unless told otherwise)."""
+DEFAULT_DETECTOR = "episodic"
+"""For generic per-minute metric series (what the alert rules use unless told otherwise):
+``generic`` inside a refractory period, chosen on NAB (docs/detectors.md)."""

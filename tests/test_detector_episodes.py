@@ -1,0 +1,182 @@
+"""Issue 29: the default detector pages once per episode, never looks ahead, and the NAB
+scorer's leave-one-file-out figure is exact on scripted series (no services)."""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loopwatch.bench.nab_score import (
+    LabelledSeries,
+    Profile,
+    leave_one_out,
+    load_corpus,
+    run_detector,
+)
+from loopwatch.detectors.anomaly import DEFAULT_DETECTOR, DETECTORS, score_csv
+from loopwatch.detectors.anomaly.base import score_series
+from loopwatch.detectors.anomaly.contextual import ContextNovelty
+from loopwatch.detectors.anomaly.generic import GenericDetector
+from loopwatch.detectors.anomaly.refractory import Refractory
+
+START = datetime(2024, 1, 1)
+STANDARD = Profile("standard", tp_weight=1.0, fp_weight=0.11, fn_weight=1.0)
+NAB = Path(os.environ.get("NAB_DIR", "/work/shared/data/nab"))
+
+
+def minutes(n: int) -> list[datetime]:
+    return [START + timedelta(minutes=i) for i in range(n)]
+
+
+def shifted(n: int = 1500, at: int = 1200, size: float = 8.0) -> list[float]:
+    rng = np.random.default_rng(1)
+    values = 20 + rng.normal(0, 1, n)
+    values[at:] += size
+    return [float(v) for v in values]
+
+
+def test_default_is_episodic_and_pages_once_per_level_shift() -> None:
+    values, times = shifted(), minutes(1500)
+    generic = score_series(GenericDetector(), values, times)
+    episodic = score_series(DETECTORS[DEFAULT_DETECTOR](), values, times)
+    assert DEFAULT_DETECTOR == "episodic"
+    # After the warm-up: generic pages 5 times in 300 points of the new level; episodic
+    # once, and once more only after its 150-point rest period.
+    assert [i for i, s in enumerate(generic[400:], 400) if s >= 0.45] == [
+        1200, 1261, 1329, 1443, 1464]
+    assert [i for i, s in enumerate(episodic[400:], 400) if s >= 0.45] == [1200, 1443]
+    assert episodic[1200] == generic[1200] == 1.0
+
+
+def test_refractory_reopens_after_the_rest_period() -> None:
+    # Two spikes 200 points apart: both page with rest=150, only the first with rest=250.
+    values = [10.0 + 0.1 * (i % 7) for i in range(1000)]
+    values[600] = values[800] = 60.0
+    times = minutes(1000)
+    short = score_series(Refractory(GenericDetector(), rest=150), values, times)
+    long = score_series(Refractory(GenericDetector(), rest=250), values, times)
+    assert [i for i, s in enumerate(short) if s >= 0.45] == [600, 800]
+    assert [i for i, s in enumerate(long) if s >= 0.45] == [600]
+
+
+def test_detect_csv_default_writes_the_episodic_scores() -> None:
+    values, times = shifted(), minutes(1500)
+    body = "timestamp,value\n" + "".join(
+        f"{t.isoformat(sep=' ')},{v!r}\n" for t, v in zip(times, values, strict=True))
+    out = io.StringIO()
+    assert score_csv(io.StringIO(body), out) == 1500
+    written = [float(line.split(",")[2]) for line in out.getvalue().splitlines()[1:]]
+    expected = score_series(DETECTORS["episodic"](), values, times)
+    assert written == [float(format(s, ".6g")) for s in expected]
+
+
+@pytest.mark.parametrize("name", ["episodic", "contextual", "ensemble"])
+def test_new_detectors_never_look_ahead_on_a_nab_series(name: str) -> None:
+    """Prefix invariance on a real series: scoring the first 2500 rows alone gives
+    exactly the first 2500 scores of the whole file."""
+    if not (NAB / "combined_windows.json").exists():
+        pytest.skip(f"NAB subset not at {NAB}")
+    series = next(s for s in load_corpus(NAB, ["realKnownCause/ec2_request"]))
+    full = run_detector(DETECTORS[name](), series)
+    cut = 2500
+    prefix = LabelledSeries(series.name, series.timestamps[:cut], series.values[:cut], ())
+    assert run_detector(DETECTORS[name](), prefix).tolist() == full[:cut].tolist()
+    assert full[cut:].max() > 0.0  # the file's later anomalies do score
+
+
+def test_contextual_scores_a_missing_daily_jump_and_nothing_once_learned() -> None:
+    times = [START + timedelta(hours=h) for h in range(24 * 20)]
+    day = [80.0 if 9 <= t.hour < 17 else 20.0 for t in times]
+    scores = score_series(ContextNovelty(), day[: 24 * 19] + [20.0] * 24, times)
+    assert max(scores[24 * 3 : 24 * 19]) == 0.0
+    # Hour 9's slot was seen 19 times, always high: 19 / (19 + 30), one of 3 contexts.
+    assert scores[24 * 19 + 9] == pytest.approx(19 / 49 / 3)
+
+
+def _tp(row: int, left: int, right: int) -> float:
+    def s(x: float) -> float:
+        return 2.0 / (1.0 + math.exp(5.0 * x)) - 1.0
+    return s(-(right - row + 1) / (right - left + 1)) / s(-1.0)
+
+
+def test_leave_one_out_of_one_detector_is_exact() -> None:
+    """File a: a detection (0.9) at row 11 of window 10-13. File b: a false positive
+    (0.8) at row 5 before its window, a detection (0.6) at row 12. Held out a: the
+    threshold fitted on b is 0.6 (tp - 0.11 beats -1), and a's 0.9 is a true positive.
+    Held out b: the threshold fitted on a is 0.9, so b fires nowhere: a miss, -1."""
+    times = tuple(START + timedelta(minutes=5 * i) for i in range(20))
+    zeros = tuple(0.0 for _ in range(20))
+    corpus = [LabelledSeries(n, times, zeros, ((10, 13),)) for n in ("a.csv", "b.csv")]
+    a, b = np.zeros(20), np.zeros(20)
+    a[11], b[5], b[12] = 0.9, 0.8, 0.6
+    score, chosen = leave_one_out({"d": {"a.csv": a, "b.csv": b}}, corpus, STANDARD)
+    raw = _tp(11, 10, 13) - 1.0
+    assert score == pytest.approx(100.0 * (raw - -2.0) / (2.0 - -2.0))
+    assert chosen == {"a.csv": "d", "b.csv": "d"}
+
+
+def test_nab_table_cache_returns_what_a_fresh_run_gives(tmp_path: Path) -> None:
+    from loopwatch.bench.nab_table import cached_scores
+
+    values, times = shifted(600, 500), minutes(600)
+    series = LabelledSeries("x.csv", tuple(times), tuple(values), ((480, 520),))
+    fresh = run_detector(DETECTORS["episodic"](), series)
+    first, _ = cached_scores("episodic", DETECTORS["episodic"], series, tmp_path)
+    stored = list(tmp_path.rglob("*.npz"))
+    second, _ = cached_scores("episodic", lambda: 1 / 0, series, tmp_path)  # type: ignore[arg-type,return-value]
+    assert len(stored) == 1
+    assert first.tolist() == second.tolist() == fresh.tolist()
+
+
+def test_nab_table_refuses_an_unknown_detector(capsys: pytest.CaptureFixture[str]) -> None:
+    from loopwatch.bench.nab_table import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--only", "no_such_detector", "--data", str(NAB)])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'no_such_detector'" in capsys.readouterr().err
+
+
+def young_record() -> list[float]:
+    """A day of 5-minute points (robust sigma 0.0148), then a record 4.5 sigmas up."""
+    return [1.5 + 0.01 * (((i * 7) % 5) - 2) for i in range(295)] + [1.5 + 4.5 * 0.01 * 1.4826]
+
+
+def test_episodic_range_check_wants_five_sigmas() -> None:
+    """The record is beyond the range seen by more than 5 % of it and 4.5 sigmas off:
+    generic's range check (4 sigmas) scores it 1.0; episodic's (5 sigmas) leaves it to
+    the likelihood, which is still learning (295 of 388 points): 0.0."""
+    from loopwatch.detectors.anomaly.registry import EPISODIC
+
+    values = young_record()
+    times = [START + timedelta(minutes=5 * i) for i in range(len(values))]
+    generic = GenericDetector()
+    assert score_series(generic, values, times)[-1] == 1.0
+    assert generic._last is not None and generic._last.z == pytest.approx(4.5)
+    assert score_series(GenericDetector(EPISODIC), values, times)[-1] == 0.0
+    assert EPISODIC.spatial_min_z == 5.0
+
+
+def test_cost_anomaly_rule_does_not_page_on_a_young_series_record() -> None:
+    """The clean-day false warning of the scorecard (issue 29): one day of 5-minute cost
+    points and then a record between 4 and 5 sigmas (the clean day's was). The rule's
+    detector (now episodic) stays inactive; generic, its detector before, paged."""
+    from dataclasses import replace
+
+    from loopwatch.detectors.rules import evaluate, load_rules
+
+    rule = load_rules()["cost_per_minute_anomaly"]
+    values = young_record()
+    rows = [{"agent": "research-agent", "t": START + timedelta(minutes=5 * i), "value": v}
+            for i, v in enumerate(values)]
+    assert rule.detector == "episodic"
+    (finding,) = evaluate(rule, rows, series={})
+    assert (finding.state, finding.extra["score"]) == ("inactive", 0.0)
+    (before,) = evaluate(replace(rule, detector="generic"), rows, series={})
+    assert (before.state, before.extra["score"]) == ("active", 1.0)

@@ -90,6 +90,7 @@ def loopwatch(args: list[str], tmp_path: Path, **env: str) -> subprocess.Complet
         "LOOPWATCH_CLICKHOUSE_URL": f"http://reader:{SECRET}@127.0.0.1:{CLOSED}/loopwatch",
         "LOOPWATCH_KAFKA_BOOTSTRAP": f"127.0.0.1:{CLOSED}",
         "LOOPWATCH_OTLP_PORT": "0",
+        "LOOPWATCH_BROKER_WAIT_S": "1",  # `up` gives up on the refusing broker after 1 s, not 30
         "COLUMNS": "100",
         **env})
     environment = {key: value for key, value in environment.items() if value}  # "" = unset

@@ -12,10 +12,10 @@ from kafka.errors import KafkaError, TopicAlreadyExistsError
 from loopwatch.core.config import Settings
 
 
-def ensure_topics(bootstrap: str, settings: Settings, timeout_s: float = 30.0) -> None:
+def ensure_topics(bootstrap: str, settings: Settings, timeout_s: float | None = None) -> None:
     wanted = {settings.events_topic: settings.partitions, settings.deadletter_topic: 1,
               settings.captures_topic: settings.partitions}
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + (settings.broker_wait_s if timeout_s is None else timeout_s)
     while True:
         try:
             admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","),

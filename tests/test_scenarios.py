@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from loopwatch.core.config import Settings
 from loopwatch.detectors.rules import load_rules
 from loopwatch.scenarios import load_scenarios
@@ -45,6 +47,7 @@ def test_reduced_scorecard_detects_every_scenario_without_false_pages(local_stor
         assert entry["time_to_detect_s"] <= window + 120, (name, entry)
 
 
+@pytest.mark.stack  # run_live starts its own broker and `loopwatch up`
 def test_one_scenario_through_the_live_stack(tmp_path: Path):
     """At a speed no machine keeps (traffic emitted as fast as the broker takes it), so
     the outcome cannot depend on how busy this one is: the run waits by what the store

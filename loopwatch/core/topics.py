@@ -18,8 +18,10 @@ def ensure_topics(bootstrap: str, settings: Settings, timeout_s: float | None = 
     deadline = time.monotonic() + (settings.broker_wait_s if timeout_s is None else timeout_s)
     while True:
         try:
+            left_ms = int((deadline - time.monotonic()) * 1000)
             admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","),
-                                     client_id="loopwatch-admin")
+                                     client_id="loopwatch-admin",
+                                     bootstrap_timeout_ms=max(100, left_ms))
             break
         except KafkaError:
             if time.monotonic() > deadline:

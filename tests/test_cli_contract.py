@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -119,36 +119,43 @@ def _key(args: list[str], env: dict[str, str]) -> Key:
 
 
 class Runs:
-    """The planned children, started ahead, each result handed to one test only."""
+    """Children planned by a module, started ahead, each result handed to one test only."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, plan: Iterable[tuple[list[str], dict[str, str]]]
+                 ) -> None:
         self._pool = ThreadPoolExecutor(max_workers=2 * (os.cpu_count() or 1))
-        self._started: dict[Key, list[Future[subprocess.CompletedProcess[str]]]] = {}
-        for number, (args, env) in enumerate(planned()):
-            (folder / f"run-{number}").mkdir()
-            self._started.setdefault(_key(args, env), []).append(self._pool.submit(
-                _run, args, folder / f"run-{number}", env))
+        self._started: dict[Key, list[tuple[Future[subprocess.CompletedProcess[str]], Path]]]
+        self._started = {}
+        for number, (args, env) in enumerate(plan):
+            run_dir = folder / f"run-{number}"
+            run_dir.mkdir()
+            self._started.setdefault(_key(args, env), []).append(
+                (self._pool.submit(_run, args, run_dir, env), run_dir))
 
     def take(self, args: list[str], env: dict[str, str]
-             ) -> subprocess.CompletedProcess[str] | None:
+             ) -> tuple[subprocess.CompletedProcess[str], Path] | None:
         started = self._started.get(_key(args, env))
-        return started.pop(0).result() if started else None
+        if not started:
+            return None
+        future, run_dir = started.pop(0)
+        return future.result(), run_dir
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-RUNS: list[Runs] = []  # the module's, while its tests run (see the fixture below)
+RUNS: list[Runs] = []  # the running module's, while its tests run (start_together)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _started_together(request: pytest.FixtureRequest,
-                      tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    selected = sum(1 for item in request.session.items if item.module is sys.modules[__name__])
-    if selected < len(list(planned())) // 2:  # a few tests (-k): each runs its own
+def start_together(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                   plan: list[tuple[list[str], dict[str, str]]]) -> Iterator[None]:
+    """A module fixture's body: start the module's planned children ahead when most of
+    its tests are selected (with a few, under ``-k``, each test runs its own)."""
+    selected = sum(1 for item in request.session.items if item.module is request.module)
+    if selected < len(plan) // 2:
         yield
         return
-    runs = Runs(tmp_path_factory.mktemp("cli-contract"))
+    runs = Runs(tmp_path_factory.mktemp("cli-runs"), plan)
     RUNS.append(runs)
     try:
         yield
@@ -157,11 +164,23 @@ def _started_together(request: pytest.FixtureRequest,
         runs.close()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _started_together(request: pytest.FixtureRequest,
+                      tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    yield from start_together(request, tmp_path_factory, list(planned()))
+
+
 def loopwatch(args: list[str], tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
     """``python -m loopwatch.cli ARGS`` in a child, as a user runs it (the run started
     for it ahead, if there is one)."""
+    return loopwatch_in(args, tmp_path, **env)[0]
+
+
+def loopwatch_in(args: list[str], tmp_path: Path, **env: str
+                 ) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """:func:`loopwatch`, and the folder whose ``data`` was the child's data dir."""
     ahead = RUNS[0].take(args, env) if RUNS else None
-    return ahead if ahead is not None else _run(args, tmp_path, env)
+    return ahead if ahead is not None else (_run(args, tmp_path, env), tmp_path)
 
 
 def _run(args: list[str], tmp_path: Path, env: dict[str, str]

@@ -111,30 +111,32 @@ def planned() -> Iterator[tuple[list[str], dict[str, str]]]:
     yield ["query", "SELECT 1"], INVALID_SETTINGS
 
 
-Key = tuple[tuple[str, ...], tuple[tuple[str, str], ...]]
+Key = tuple[tuple[str, ...], tuple[tuple[str, str], ...], bool]
+#: a planned child: its arguments, environment and (optionally) whether its data dir is
+#: made (empty) before it starts
+Planned = tuple[list[str], dict[str, str]] | tuple[list[str], dict[str, str], bool]
 
 
-def _key(args: list[str], env: dict[str, str]) -> Key:
-    return tuple(args), tuple(sorted(env.items()))
+def _key(args: list[str], env: dict[str, str], made: bool) -> Key:
+    return tuple(args), tuple(sorted(env.items())), made
 
 
 class Runs:
     """Children planned by a module, started ahead, each result handed to one test only."""
 
-    def __init__(self, folder: Path, plan: Iterable[tuple[list[str], dict[str, str]]]
-                 ) -> None:
+    def __init__(self, folder: Path, plan: Iterable[Planned]) -> None:
         self._pool = ThreadPoolExecutor(max_workers=2 * (os.cpu_count() or 1))
         self._started: dict[Key, list[tuple[Future[subprocess.CompletedProcess[str]], Path]]]
         self._started = {}
-        for number, (args, env) in enumerate(plan):
+        for number, (args, env, *made) in enumerate(plan):
             run_dir = folder / f"run-{number}"
-            run_dir.mkdir()
-            self._started.setdefault(_key(args, env), []).append(
+            (run_dir / "data" if made and made[0] else run_dir).mkdir(parents=True)
+            self._started.setdefault(_key(args, env, bool(made and made[0])), []).append(
                 (self._pool.submit(_run, args, run_dir, env), run_dir))
 
-    def take(self, args: list[str], env: dict[str, str]
+    def take(self, args: list[str], env: dict[str, str], made: bool
              ) -> tuple[subprocess.CompletedProcess[str], Path] | None:
-        started = self._started.get(_key(args, env))
+        started = self._started.get(_key(args, env, made))
         if not started:
             return None
         future, run_dir = started.pop(0)
@@ -148,7 +150,7 @@ RUNS: list[Runs] = []  # the running module's, while its tests run (start_togeth
 
 
 def start_together(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-                   plan: list[tuple[list[str], dict[str, str]]]) -> Iterator[None]:
+                   plan: list[Planned]) -> Iterator[None]:
     """A module fixture's body: start the module's planned children ahead when most of
     its tests are selected (with a few, under ``-k``, each test runs its own)."""
     selected = sum(1 for item in request.session.items if item.module is request.module)
@@ -176,10 +178,11 @@ def loopwatch(args: list[str], tmp_path: Path, **env: str) -> subprocess.Complet
     return loopwatch_in(args, tmp_path, **env)[0]
 
 
-def loopwatch_in(args: list[str], tmp_path: Path, **env: str
+def loopwatch_in(args: list[str], tmp_path: Path, made: bool = False, **env: str
                  ) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """:func:`loopwatch`, and the folder whose ``data`` was the child's data dir."""
-    ahead = RUNS[0].take(args, env) if RUNS else None
+    """:func:`loopwatch`, and the folder whose ``data`` was the child's data dir (made
+    empty before the child started, when ``made``: the caller made it in ``tmp_path``)."""
+    ahead = RUNS[0].take(args, env, made) if RUNS else None
     return ahead if ahead is not None else (_run(args, tmp_path, env), tmp_path)
 
 

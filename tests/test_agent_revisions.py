@@ -25,10 +25,11 @@ from loopwatch.processors.attribution import revision_row
 from loopwatch.processors.jobs.reprocess import MemoryRunStore
 from loopwatch.processors.pipeline import Pipeline, RawMessage
 from loopwatch.runtime import _insert_action
-from loopwatch.store.clickhouse import connect, migrate
+from loopwatch.store.clickhouse import connect
 from loopwatch.store.remote_sink import encode_batch
 from loopwatch.store.revisions import REVISIONS_TABLE, revise
 from loopwatch.store.sink import ClickHouseSink, RowBatch
+from tests.stores import fresh_store
 
 T0 = 1_767_225_600_000_000_000  # 2026-01-01T00:00:00Z in ns
 ROOT, OUTER, INNER, CHAT, TOOL = "1" * 16, "2" * 16, "3" * 16, "4" * 16, "5" * 16
@@ -66,9 +67,7 @@ class Trace:
 
 
 def _store(local_store: tuple[Settings, Client]) -> tuple[Settings, Client]:
-    base, _ = local_store
-    settings = Settings(data_dir=base.data_dir, database=f"rev_{uuid.uuid4().hex[:8]}")
-    return settings, migrate(settings)
+    return fresh_store(local_store, "rev")
 
 
 @pytest.fixture()

@@ -21,6 +21,7 @@ FLOATS = ("pipeline_events_per_s", "raw_consume_events_per_s", "ratio", "emitter
           "memory_per_open_run_bytes", "stored_bytes_per_event")
 
 
+@pytest.mark.stack  # starts its own brokers, `loopwatch up`-like processors and workers
 def test_bench_smoke() -> None:
     app = typer.Typer()
     register(app)

@@ -6,6 +6,11 @@ Each command is run as a user runs it (a child ``python -m loopwatch.cli``) agai
 store and a broker that refuse connections (closed loopback ports), or with an argument
 it cannot take. The command list is read from the CLI itself: a new command fails
 ``test_every_command_has_a_hostile_case`` until it gets a case here.
+
+Each child costs an interpreter and the CLI's imports (about a second of CPU): when most of
+the module is selected, its runs are started together at the module's start, a few at a
+time (:class:`Runs`), and each test takes its own run's result: every test still gets a
+child of its own, with the same arguments and environment.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -82,7 +88,106 @@ EXTRA_CASES: list[tuple[list[str], int]] = [
 ]
 
 
+BOOTSTRAPS = (f"user:{SECRET}@broker", f"user:{SECRET}@broker:9092",
+              f"kafka://user:{SECRET}@broker:9092")
+GROUPS = {"loopwatch": [], "dlq": ["dlq"], "scenario": ["scenario"]}
+INVALID_SETTINGS = {"LOOPWATCH_PARTITIONS": "0", "LOOPWATCH_CLICKHOUSE_URL": "ftp://db:21",
+                    "LOOPWATCH_CAPTURE": "maybe"}
+
+
+def planned() -> Iterator[tuple[list[str], dict[str, str]]]:
+    """Every child the tests below run, in their order (what :class:`Runs` starts)."""
+    for command in commands():
+        yield [*command.split(), *CASES[command][0]], {}
+    for arguments, _ in EXTRA_CASES:
+        yield arguments, {"LOOPWATCH_CLICKHOUSE_URL": ""}
+    yield ["query", "SELECT 1"], {}
+    yield ["--debug", "query", "SELECT 1"], {}
+    yield ["query", "SELECT 1"], {"LOOPWATCH_DEBUG": "1"}
+    for bootstrap in BOOTSTRAPS:
+        yield ["query", "SELECT 1"], {"LOOPWATCH_KAFKA_BOOTSTRAP": bootstrap}
+    for group in GROUPS.values():
+        yield group, {}
+    yield ["query", "SELECT 1"], INVALID_SETTINGS
+
+
+Key = tuple[tuple[str, ...], tuple[tuple[str, str], ...], bool]
+#: a planned child: its arguments, environment and (optionally) whether its data dir is
+#: made (empty) before it starts
+Planned = tuple[list[str], dict[str, str]] | tuple[list[str], dict[str, str], bool]
+
+
+def _key(args: list[str], env: dict[str, str], made: bool) -> Key:
+    return tuple(args), tuple(sorted(env.items())), made
+
+
+class Runs:
+    """Children planned by a module, started ahead, each result handed to one test only."""
+
+    def __init__(self, folder: Path, plan: Iterable[Planned]) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=2 * (os.cpu_count() or 1))
+        self._started: dict[Key, list[tuple[Future[subprocess.CompletedProcess[str]], Path]]]
+        self._started = {}
+        for number, (args, env, *made) in enumerate(plan):
+            run_dir = folder / f"run-{number}"
+            (run_dir / "data" if made and made[0] else run_dir).mkdir(parents=True)
+            self._started.setdefault(_key(args, env, bool(made and made[0])), []).append(
+                (self._pool.submit(_run, args, run_dir, env), run_dir))
+
+    def take(self, args: list[str], env: dict[str, str], made: bool
+             ) -> tuple[subprocess.CompletedProcess[str], Path] | None:
+        started = self._started.get(_key(args, env, made))
+        if not started:
+            return None
+        future, run_dir = started.pop(0)
+        return future.result(), run_dir
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+RUNS: list[Runs] = []  # the running module's, while its tests run (start_together)
+
+
+def start_together(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                   plan: list[Planned]) -> Iterator[None]:
+    """A module fixture's body: start the module's planned children ahead when most of
+    its tests are selected (with a few, under ``-k``, each test runs its own)."""
+    selected = sum(1 for item in request.session.items if item.module is request.module)
+    if selected < len(plan) // 2:
+        yield
+        return
+    runs = Runs(tmp_path_factory.mktemp("cli-runs"), plan)
+    RUNS.append(runs)
+    try:
+        yield
+    finally:
+        RUNS.remove(runs)
+        runs.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _started_together(request: pytest.FixtureRequest,
+                      tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    yield from start_together(request, tmp_path_factory, list(planned()))
+
+
 def loopwatch(args: list[str], tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """``python -m loopwatch.cli ARGS`` in a child, as a user runs it (the run started
+    for it ahead, if there is one)."""
+    return loopwatch_in(args, tmp_path, **env)[0]
+
+
+def loopwatch_in(args: list[str], tmp_path: Path, made: bool = False, **env: str
+                 ) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """:func:`loopwatch`, and the folder whose ``data`` was the child's data dir (made
+    empty before the child started, when ``made``: the caller made it in ``tmp_path``)."""
+    ahead = RUNS[0].take(args, env, made) if RUNS else None
+    return ahead if ahead is not None else (_run(args, tmp_path, env), tmp_path)
+
+
+def _run(args: list[str], tmp_path: Path, env: dict[str, str]
+         ) -> subprocess.CompletedProcess[str]:
     environment = {key: value for key, value in os.environ.items()
                    if not key.startswith("LOOPWATCH_")}
     environment.update({
@@ -90,6 +195,7 @@ def loopwatch(args: list[str], tmp_path: Path, **env: str) -> subprocess.Complet
         "LOOPWATCH_CLICKHOUSE_URL": f"http://reader:{SECRET}@127.0.0.1:{CLOSED}/loopwatch",
         "LOOPWATCH_KAFKA_BOOTSTRAP": f"127.0.0.1:{CLOSED}",
         "LOOPWATCH_OTLP_PORT": "0",
+        "LOOPWATCH_BROKER_WAIT_S": "1",  # `up` gives up on the refusing broker after 1 s, not 30
         "COLUMNS": "100",
         **env})
     environment = {key: value for key, value in environment.items() if value}  # "" = unset
@@ -139,16 +245,14 @@ def test_debug_prints_the_traceback_too(how, tmp_path):
 
 
 def test_a_bootstrap_with_credentials_is_refused_without_echoing_them(tmp_path):
-    for bootstrap in (f"user:{SECRET}@broker", f"user:{SECRET}@broker:9092",
-                      f"kafka://user:{SECRET}@broker:9092"):
+    for bootstrap in BOOTSTRAPS:
         result = loopwatch(["query", "SELECT 1"], tmp_path,
                            LOOPWATCH_KAFKA_BOOTSTRAP=bootstrap)
         assert_contract(result, 2)
         assert "LOOPWATCH_KAFKA_BOOTSTRAP must be host:port[,host:port]" in result.stderr
 
 
-@pytest.mark.parametrize("group", [[], ["dlq"], ["scenario"]], ids=["loopwatch", "dlq",
-                                                                      "scenario"])
+@pytest.mark.parametrize("group", list(GROUPS.values()), ids=list(GROUPS))
 def test_a_bare_command_group_prints_its_help_and_nothing_on_stderr(group, tmp_path):
     result = loopwatch(group, tmp_path)
     assert result.returncode == 2 and result.stderr == ""
@@ -156,8 +260,7 @@ def test_a_bare_command_group_prints_its_help_and_nothing_on_stderr(group, tmp_p
 
 
 def test_several_invalid_settings_are_still_one_line(tmp_path):
-    result = loopwatch(["query", "SELECT 1"], tmp_path, LOOPWATCH_PARTITIONS="0",
-                       LOOPWATCH_CLICKHOUSE_URL="ftp://db:21", LOOPWATCH_CAPTURE="maybe")
+    result = loopwatch(["query", "SELECT 1"], tmp_path, **INVALID_SETTINGS)
     assert_contract(result, 2)
     assert result.stderr.startswith("invalid setting ")
     assert [name in result.stderr for name in ("partitions", "clickhouse_url", "capture")] == [

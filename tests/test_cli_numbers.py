@@ -15,7 +15,7 @@ import pytest
 import typer
 
 from loopwatch.cli import app
-from tests.test_cli_contract import assert_contract, loopwatch
+from tests.test_cli_contract import assert_contract, loopwatch_in, start_together
 
 #: (command, option) -> values it must refuse, and the arguments the command needs
 REFUSED: dict[tuple[str, str], tuple[list[str], list[str]]] = {
@@ -61,10 +61,22 @@ CASES = [(command, option, value, needs) for (command, option), (values, needs)
          in REFUSED.items() for value in values]
 
 
+def arguments(command: str, option: str, value: str, needs: list[str]) -> list[str]:
+    return [*command.split(), *needs, f"{option}={value}"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _started_together(request: pytest.FixtureRequest,
+                      tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Each case's child, started ahead (tests/test_cli_contract.py Runs)."""
+    yield from start_together(request, tmp_path_factory,
+                              [(arguments(*case), {}) for case in CASES])
+
+
 @pytest.mark.parametrize(("command", "option", "value", "needs"), CASES,
                          ids=[f"{c} {o} {v}" for c, o, v, _ in CASES])
 def test_a_number_that_cannot_work_is_a_usage_error(command, option, value, needs, tmp_path):
-    result = loopwatch([*command.split(), *needs, f"{option}={value}"], tmp_path)
+    result, folder = loopwatch_in(arguments(command, option, value, needs), tmp_path)
     assert_contract(result, 2)
     assert f"Invalid value for '{option}'" in result.stderr
-    assert not (tmp_path / "data").exists()  # refused before anything was created
+    assert not (folder / "data").exists()  # refused before anything was created

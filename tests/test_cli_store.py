@@ -4,6 +4,7 @@ a blank line with exit 0). loopwatch.storecheck decides, before the store is ope
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
@@ -11,21 +12,32 @@ import pytest
 from typer.testing import CliRunner
 
 from loopwatch.cli import app
-from tests.test_cli_contract import assert_contract, loopwatch
+from tests.test_cli_contract import assert_contract, loopwatch, loopwatch_in, start_together
 
 REFUSING = [["query", "SELECT 1"], ["alerts"], ["dlq", "list"],
             ["investigate", "top_cost_runs"], ["replay", "some-run"],
             ["playbook", "agent_stuck_in_loop"]]
 
 
-@pytest.mark.parametrize("where", ["missing", "empty"])
+NO_STORE_ENV = {"LOOPWATCH_CLICKHOUSE_URL": "", "LOOPWATCH_KAFKA_BOOTSTRAP": ""}
+WHERE = ["missing", "empty"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _started_together(request: pytest.FixtureRequest,
+                      tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The refusal cases' children, started ahead (tests/test_cli_contract.py Runs)."""
+    yield from start_together(request, tmp_path_factory, [
+        (command, NO_STORE_ENV, where == "empty") for where in WHERE for command in REFUSING])
+
+
+@pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize("command", REFUSING, ids=" ".join)
 def test_a_data_dir_without_a_store_is_refused_and_left_alone(command, where, tmp_path):
-    data_dir = tmp_path / "data"
     if where == "empty":
-        data_dir.mkdir()
-    result = loopwatch(command, tmp_path, LOOPWATCH_CLICKHOUSE_URL="",
-                       LOOPWATCH_KAFKA_BOOTSTRAP="")
+        (tmp_path / "data").mkdir()
+    result, folder = loopwatch_in(command, tmp_path, where == "empty", **NO_STORE_ENV)
+    data_dir = folder / "data"
     assert_contract(result, 1)
     assert result.stderr == (
         f"error: no loopwatch store in {data_dir}: `loopwatch up --data-dir {data_dir}` "

@@ -23,9 +23,9 @@ from loopwatch.core.config import Settings
 from loopwatch.ingest.events import TS_MAX, TS_MIN, TS_RANGE
 from loopwatch.processors.jobs.reprocess import MemoryRunStore
 from loopwatch.processors.pipeline import Pipeline, RawMessage
-from loopwatch.store.clickhouse import migrate
 from loopwatch.store.sink import ClickHouseSink
 from tests.conftest import wait_for
+from tests.stores import fresh_store
 
 #: (sent, as ClickHouse prints it back, its minute)
 ACCEPTED = [
@@ -57,9 +57,7 @@ def _events(run_id: str, ts: str, extra: bool) -> list[dict[str, Any]]:
 
 
 def _store(local_store: tuple[Settings, Client]) -> tuple[Settings, Client]:
-    base, _ = local_store
-    settings = Settings(data_dir=base.data_dir, database=f"times_{uuid.uuid4().hex[:8]}")
-    return settings, migrate(settings)
+    return fresh_store(local_store, "times")
 
 
 def _write(settings: Settings, client: Client, values: list[str], extra: bool

@@ -25,15 +25,13 @@ from loopwatch.store.retention import (
     retention_for,
 )
 from loopwatch.store.sizecap import enforce_size_cap
+from tests.stores import fresh_store
 
 MIB = 1024 * 1024
 
 
 def store(local_store: tuple[Settings, Client], **overrides) -> tuple[Settings, Client]:
-    base, _client = local_store
-    database = f"ret_{uuid.uuid4().hex[:8]}"
-    settings = Settings(data_dir=base.data_dir, database=database, **overrides)
-    return settings, migrate(settings)
+    return fresh_store(local_store, "ret", **overrides)
 
 
 def test_every_table_gets_its_ttl_with_overrides_and_a_restart_changes_nothing(local_store):

@@ -83,6 +83,9 @@ class Settings(BaseSettings):
     kafka_bootstrap: str | None = Field(
         None, description="host:port[,host:port]; unset = start the embedded broker"
     )
+    broker_wait_s: float = Field(
+        30.0, gt=0, description="how long creating the topics (`up`, `ingest serve`) waits "
+        "for the broker to take a connection before giving up (exit 1)")
     broker_port: int = Field(
         0, ge=0, le=65535, description="the embedded broker's loopback port; 0 = the port "
         "recorded in <data_dir>/broker.json, or a free one on the first start (then recorded)"

@@ -12,14 +12,16 @@ from kafka.errors import KafkaError, TopicAlreadyExistsError
 from loopwatch.core.config import Settings
 
 
-def ensure_topics(bootstrap: str, settings: Settings, timeout_s: float = 30.0) -> None:
+def ensure_topics(bootstrap: str, settings: Settings, timeout_s: float | None = None) -> None:
     wanted = {settings.events_topic: settings.partitions, settings.deadletter_topic: 1,
               settings.captures_topic: settings.partitions}
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + (settings.broker_wait_s if timeout_s is None else timeout_s)
     while True:
         try:
+            left_ms = int((deadline - time.monotonic()) * 1000)
             admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","),
-                                     client_id="loopwatch-admin")
+                                     client_id="loopwatch-admin",
+                                     bootstrap_timeout_ms=max(100, left_ms))
             break
         except KafkaError:
             if time.monotonic() > deadline:

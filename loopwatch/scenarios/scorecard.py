@@ -148,8 +148,12 @@ def _first_fired(transitions: list[Transition], agent: str) -> dict[str, datetim
 def score(client: Client, settings: Settings, *, seed: int = 7, history_days: float = 7,
           baseline_hours: float = 24, scenario_names: Iterable[str] | None = None,
           start: datetime | None = None, progress: Progress | None = None,
-          observe_minutes: float = 75) -> Scorecard:
-    """Run the whole scorecard against the store behind ``client`` (it gains the data)."""
+          observe_minutes: float = 75, rules: bool = True) -> Scorecard:
+    """Run the whole scorecard against the store behind ``client`` (it gains the data).
+
+    ``rules=False`` scores the advisors' column alone: the same traffic, stored the same
+    way, but no rule passes (four fifths of the time; advisors read no alerts), so every
+    scenario's ``fired`` is empty."""
     say = progress or (lambda message: None)
     scenarios = load_scenarios()
     names = list(scenarios) if scenario_names is None else list(scenario_names)
@@ -161,7 +165,8 @@ def score(client: Client, settings: Settings, *, seed: int = 7, history_days: fl
     simulation.advance(moment, history_end, timedelta(hours=1), observe=False)
     say(f"watching {baseline_hours:g} clean hours for false alerts")
     baseline_end = history_end + timedelta(hours=baseline_hours)
-    baseline = simulation.advance(history_end, baseline_end, timedelta(minutes=5))
+    baseline = simulation.advance(history_end, baseline_end, timedelta(minutes=5),
+                                  observe=rules)
     false_fired = [t.alert for t in baseline if t.kind == "fired"]
     false_findings = [":".join(f.identity) for f in _advice(client, history_end, baseline_end)]
     results: dict[str, ScenarioResult] = {}
@@ -169,7 +174,8 @@ def score(client: Client, settings: Settings, *, seed: int = 7, history_days: fl
     for scenario in chosen:
         say(f"scenario {scenario.name}")
         results[scenario.name], moment = _run_scenario(simulation, scenario, moment,
-                                                       timedelta(minutes=observe_minutes))
+                                                       timedelta(minutes=observe_minutes),
+                                                       rules)
     return Scorecard(
         scenarios=results, baseline_hours=baseline_hours,
         false_alerts={severity: sum(alert.severity == severity for alert in false_fired)
@@ -192,14 +198,15 @@ def _advice(client: Client, since: datetime, until: datetime, agent: str = "") -
 
 
 def _run_scenario(simulation: Simulation, scenario: Scenario, start: datetime,
-                  observe: timedelta) -> tuple[ScenarioResult, datetime]:
+                  observe: timedelta, rules: bool = True) -> tuple[ScenarioResult, datetime]:
     inject_at = start + timedelta(minutes=20)
     observe_until = inject_at + observe
-    simulation.advance(start, inject_at, timedelta(minutes=1))
+    simulation.advance(start, inject_at, timedelta(minutes=1), observe=rules)
     injection = Injection(scenario.agent, inject_at, scenario.behaviour)
-    transitions = simulation.advance(inject_at, observe_until, timedelta(minutes=1), injection)
+    transitions = simulation.advance(inject_at, observe_until, timedelta(minutes=1), injection,
+                                     observe=rules)
     recovered = observe_until + timedelta(minutes=45)
-    simulation.advance(observe_until, recovered, timedelta(minutes=5))
+    simulation.advance(observe_until, recovered, timedelta(minutes=5), observe=rules)
     fired = _first_fired(transitions, scenario.agent)
     advice = sorted({f.kind for f in _advice(simulation.client, inject_at, observe_until,
                                              scenario.agent)})

@@ -463,10 +463,15 @@ def test_loopwatch_advise_json_through_the_running_up(emitter, reader, agent, pi
     """The command reads the running up's store over its service; findings come sorted
     by saving, in the issue's shape; a hostile --agent is a value, never SQL."""
     start = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=2)
+    broken = scenario_events(agent, replace(behaviour_of("silent_prompt_cache_miss"),
+                                            tool_timeout_ms=330.0),
+                             start + timedelta(hours=0.5), hours=0.5, seed=8)
+    # its own prompt version: under v1 with the first half's healthy calls, the share of
+    # later calls reading nothing sat at the cache doctor's 50 % line (found or not by luck)
+    broken = [e.model_copy(update={"prompt_version": "v2"})
+              if getattr(e, "prompt_version", None) else e for e in broken]
     events = [*scenario_events(agent, behaviour_of("timeout_too_low"), start, hours=0.5),
-              *scenario_events(agent, replace(behaviour_of("silent_prompt_cache_miss"),
-                                              tool_timeout_ms=330.0),
-                               start + timedelta(hours=0.5), hours=0.5, seed=8)]
+              *broken]
     emit_all(emitter, reader, agent, events)
     result = _advise_cli(pipeline, "--agent", agent, "--json")
     assert result.returncode == 0, result.stderr

@@ -19,7 +19,11 @@ def scenario_events(agent: str, behaviour: Behaviour, start: datetime, hours: fl
     target = replace(FLEET[0], name=agent)
     traffic = Traffic((target,), seed)
     end = start + timedelta(hours=hours)
-    return list(traffic.events(start, end, Injection(agent, start, behaviour)))
+    # times to the millisecond, as the store keeps them: a test's window edge then cuts
+    # the emitted events exactly where the advisors' SQL cuts the stored rows
+    return [event.model_copy(update={"ts": event.ts.replace(
+                microsecond=event.ts.microsecond // 1000 * 1000)})
+            for event in traffic.events(start, end, Injection(agent, start, behaviour))]
 
 
 def behaviour_of(scenario: str) -> Behaviour:

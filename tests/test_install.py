@@ -15,6 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from loopwatch.core.embedded.broker import EmbeddedBroker
+from loopwatch.store.reader import ServiceReader
+from tests.conftest import stored_events, wait_stored
+
 ROOT = Path(__file__).resolve().parent.parent
 
 #: the server's heavy imports an agent's process must not pay for
@@ -51,10 +55,27 @@ def test_server_install_imports_the_sdk_alone(tmp_path: Path) -> None:
     assert "faust" in probe["installed"]  # the heavy modules are there, just not loaded
 
 
-@pytest.mark.stack  # not a service, but slow: builds a wheel and a fresh venv (~40 s)
-def test_sdk_only_install(tmp_path: Path) -> None:
+#: an agent on the SDK-only install: three runs of 4 events each, emitted and drained
+_AGENT = """
+import sys
+from loopwatch import Emitter
+bootstrap, spool, agent = sys.argv[1:4]
+with Emitter(bootstrap, spool_dir=spool) as emitter:
+    for n in range(3):
+        with emitter.run(agent=agent, model="gpt-4o") as run:
+            run.step(step=1)
+            run.llm_call(input_tokens=10, output_tokens=2)
+    assert emitter.flush(timeout_s=60)
+    print(emitter.stats.sent)
+"""
+
+
+@pytest.mark.stack  # slow (~40 s: builds a wheel and a fresh venv) and emits to the stack
+def test_sdk_only_install(tmp_path: Path, broker: EmbeddedBroker, reader: ServiceReader,
+                          agent: str) -> None:
     """``pip install <the wheel>`` into an empty venv, dependencies from the configured
-    index: the SDK imports and the heavy stack is absent; the CLI says what to install."""
+    index: the SDK imports and the heavy stack is absent; an agent there emits runs the
+    pipeline stores; the CLI says what to install."""
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(ROOT),
                     "-w", str(tmp_path / "dist")], check=True, timeout=600,
                    capture_output=True)
@@ -72,6 +93,12 @@ def test_sdk_only_install(tmp_path: Path) -> None:
                                 "get_paths()['purelib'])"], capture_output=True, text=True,
                                check=True).stdout.strip())
     assert not [name for name in OLD_TOP_LEVEL if (site / name).exists()]
+    emitted = subprocess.run([str(python), "-c", _AGENT, broker.bootstrap,
+                              str(tmp_path / "spool"), agent], capture_output=True,
+                             text=True, timeout=120, check=True)
+    assert emitted.stdout.split() == ["12"]
+    wait_stored(reader, agent, 12)
+    assert stored_events(reader, agent) == 12
     command = subprocess.run([str(tmp_path / "sdk" / "bin" / "loopwatch"), "demo"],
                              capture_output=True, text=True, timeout=60)
     assert command.returncode == 1

@@ -12,7 +12,7 @@ definition did.
 
 >>> model = dashboard_model("realtime")
 >>> model["uid"], model["refresh"], len([p for p in model["panels"] if p["type"] != "row"])
-('loopwatch-realtime', '30s', 16)
+('loopwatch-realtime', '30s', 17)
 >>> model["panels"][1]["targets"][0]["datasource"]
 {'type': 'grafana-clickhouse-datasource', 'uid': '${datasource}'}
 """

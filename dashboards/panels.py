@@ -12,7 +12,7 @@ parameters by :mod:`loopwatch.dashboards.macros` in the web view). Base tables a
 FINAL (ReplacingMergeTree); the per-minute views already are.
 
 >>> len(PANELS), sorted({p.tier for p in PANELS})
-(33, ['drilldown', 'realtime', 'trends'])
+(34, ['drilldown', 'realtime', 'trends'])
 >>> [t.id for t in TIERS]
 ['realtime', 'trends', 'drilldown']
 """
@@ -266,6 +266,19 @@ GROUP BY time, tool
 ORDER BY time, tool""",
         "timeseries", ("time", "tool", "near_miss_ratio"), series_by=("tool",),
         unit="percentunit", thresholds=(Threshold(0.5, "orange"),), threshold_lines=True,
+        min_interval="1m", section="Providers and tools"),
+    Panel(
+        "retry_amplification", "realtime", "Retry amplification per tool",
+        "Attempts consumed by retried operations / retried operations: 2.0 is one retry "
+        "each; above 2.5x the on-call engineer is flagged (A24).",
+        f"""SELECT $__timeInterval(minute) AS time, tool,
+       {M["tool_retry_amplification"].over_view()} AS retry_amplification
+FROM tool_metrics_1m
+WHERE $__timeFilter(minute) AND retried_operations > 0 AND {TOOL_FILTERS}
+GROUP BY time, tool
+ORDER BY time, tool""",
+        "timeseries", ("time", "tool", "retry_amplification"), series_by=("tool",),
+        unit="none", thresholds=(Threshold(2.5, "orange"),), threshold_lines=True,
         min_interval="1m", section="Providers and tools"),
     Panel(
         "tool_health", "realtime", "Tools: error rate and latency p50 / p95 / p99",

@@ -168,12 +168,18 @@ class SampleFleet:
         if tool == "web_search" and at > self.now - timedelta(minutes=20):
             latency *= 1.7  # the upstream slowed down: timeouts, mostly near-misses
         timed_out = latency > timeout
+        failed = fail or rng.random() < 0.01
         self.events.append(ToolCall(
             ts=at, step=number, tool=tool, args_hash=args_hash,
             latency_ms=min(latency, timeout), timeout_ms=timeout, timed_out=timed_out,
             late_completion_ms=latency if timed_out else None,
-            error_type="http_5xx" if fail or rng.random() < 0.01 else None,
+            error_type="http_5xx" if failed else None,
             result_count=rng.randint(0, 12), **common))
+        if failed and tool == "lookup_ticket":  # retried, and through on the second attempt
+            self.events.append(ToolCall(
+                ts=at + timedelta(milliseconds=min(latency, timeout) + 1), step=number,
+                tool=tool, args_hash=args_hash, attempt=2, latency_ms=MEDIAN_MS[tool],
+                timeout_ms=timeout, result_count=1, **common))
 
 
 def change_annotations(now: datetime) -> list[EventBase]:

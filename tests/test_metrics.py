@@ -35,10 +35,11 @@ MINUTE = AT.replace(second=0)
 EXPECTED: dict[str, float] = {
     "silent_failure_ratio": 4 / 9, "exception_rate": 1 / 9,
     "cost_per_successful_run": 18.0 / 3, "cost_per_run": 18.0 / 9,
-    "tool_timeout_rate": 4 / 10, "near_miss_ratio": 2 / 3, "tool_error_rate": 5 / 10,
+    "tool_timeout_rate": 4 / 16, "near_miss_ratio": 2 / 3, "tool_error_rate": 5 / 16,
     "cache_hit_rate": 27_000 / 63_000, "cache_write_share": 16_000 / 63_000,
     "llm_error_rate": 2 / 11, "llm_rate_429": 2 / 11,
-    "loop_rate": 1 / 9, "abandoned_rate": 1 / 9, "tool_rate_429": 1 / 10,
+    "loop_rate": 1 / 9, "abandoned_rate": 1 / 9, "tool_rate_429": 1 / 16,
+    "tool_retry_amplification": (4 + 2) / 2, "tool_attempts_per_operation": 16 / 12,
 }
 #: metric -> the rules whose `value` is that metric on their window
 RULES: dict[str, tuple[str, ...]] = {
@@ -51,6 +52,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "loop_rate": ("loop_rate_critical", "loop_rate_warning"),
     "abandoned_rate": ("abandoned_runs",),
     "tool_rate_429": ("tool_rate_limit_storm",),
+    "tool_retry_amplification": ("retry_amplification_high",),
 }
 #: the report's key for a metric, where the report shows it
 REPORT_KEYS = {"silent_failure_ratio": "silent_failure_ratio", "exception_rate":
@@ -72,7 +74,9 @@ def scripted(local_store: Any) -> dict[str, str]:
 
     Runs: 3 successes at $3, one hard_error, 2 gave_up, one budget_exhausted, one looped
     and one abandoned at $1.50: 9 closed, 4 silent. Tool calls: 10, of which 4 timeouts
-    (2 near misses, one beyond, one of unknown duration), one error, one 429 (no error).
+    (2 near misses, one beyond, one of unknown duration), one error, one 429 (no error),
+    4 first attempts that succeeded, and two operations retried: attempts 1-4 and 1-2
+    (16 calls, 12 operations; 2 retried, using 6 attempts).
     LLM calls: 11, of which 2 errors and 2 429s; cache read 27k, written 16k, uncached
     20k tokens, one call reporting more cache reads than input tokens (the view's
     denominator counts them; the cache rule counted input_tokens); 4 baseline calls an
@@ -93,6 +97,9 @@ def scripted(local_store: Any) -> dict[str, str]:
     fleet.add(ToolCall(**tool, args_hash="429", error_type="rate_limited", http_status=429))
     for index in range(4):
         fleet.add(ToolCall(**tool, args_hash=f"ok{index}", latency_ms=20))
+    for op, attempts in (("retried-a", 4), ("retried-b", 2)):
+        for attempt in range(1, attempts + 1):
+            fleet.add(ToolCall(**tool, args_hash=op, attempt=attempt, latency_ms=20))
     llm = {"run_id": f"l-{tag}", "agent": agents["llm"]}
     for _ in range(4):
         fleet.add(LlmCall(**llm, ts=AT, input_tokens=10_000, cache_read_input_tokens=6000))
@@ -177,7 +184,14 @@ PANEL_SERIES = [
     ("tool_health", "error_rate", "tool_error_rate"),
     ("tool_health", "timeout_rate", "tool_timeout_rate"),
     ("tool_health", "near_miss_ratio", "near_miss_ratio"),
+    ("retry_amplification", "retry_amplification", "tool_retry_amplification"),
 ]
+
+
+def test_every_metric_has_a_scripted_value():
+    """A new metric in metrics.toml needs its exact value on the scripted input here;
+    cost per outcome is one value per outcome (its own test below)."""
+    assert set(METRICS) - set(EXPECTED) == {"cost_per_outcome"}
 
 
 def _panel(client: Any, panel_id: str, agent: str) -> list[dict[str, Any]]:

@@ -20,7 +20,7 @@ REDUCED = ("upstream_tool_outage", "rate_limit_storm", "infinite_loop_storm")
 def test_every_scenario_names_rules_that_route_to_its_playbook():
     rules = load_rules()
     scenarios = load_scenarios()
-    assert len(scenarios) == 15
+    assert len(scenarios) == 16
     for scenario in scenarios.values():
         for rule in scenario.expected:
             assert rules[rule].playbook == scenario.playbook, (scenario.name, rule)

@@ -719,6 +719,71 @@ ALTER TABLE loopwatch.llm_calls_local ON CLUSTER loopwatch ADD COLUMN IF NOT EXI
 
 ALTER TABLE loopwatch.llm_calls ON CLUSTER loopwatch ADD COLUMN IF NOT EXISTS history_hash String CODEC(ZSTD(1));
 
+CREATE OR REPLACE VIEW loopwatch.outcomes_1m ON CLUSTER loopwatch AS
+SELECT
+    toStartOfInterval(closed_ts, INTERVAL 60000 MILLISECOND) AS minute,
+    agent, task_type, model, prompt_version, deployment, traffic_slice, outcome,
+    count() AS runs,
+    sum(cost_usd) AS cost_usd,
+    cost_usd / runs AS mean_cost_usd
+FROM loopwatch.runs FINAL
+WHERE status = 'closed'
+GROUP BY minute, agent, task_type, model, prompt_version, deployment, traffic_slice, outcome;
+
+CREATE OR REPLACE VIEW loopwatch.run_metrics_1m ON CLUSTER loopwatch AS
+SELECT
+    minute, agent, task_type, model, prompt_version, deployment, traffic_slice,
+    sumIf(runs, outcome != 'unknown') AS closed_runs,
+    sumIf(runs, outcome IN ('budget_exhausted', 'gave_up', 'looped', 'wrong')) AS silent_failures,
+    sumIf(runs, outcome = 'hard_error') AS hard_errors,
+    sumIf(runs, outcome = 'success') AS successes,
+    sumIf(cost_usd, outcome != 'unknown') AS cost_usd,
+    silent_failures / nullIf(closed_runs, 0) AS silent_failure_ratio,
+    hard_errors / nullIf(closed_runs, 0) AS exception_rate,
+    cost_usd / nullIf(successes, 0) AS cost_per_successful_run
+FROM loopwatch.outcomes_1m
+GROUP BY minute, agent, task_type, model, prompt_version, deployment, traffic_slice;
+
+CREATE OR REPLACE VIEW loopwatch.tool_metrics_1m ON CLUSTER loopwatch AS
+SELECT
+    toStartOfInterval(ts, INTERVAL 60000 MILLISECOND) AS minute,
+    agent, task_type, tool, traffic_slice,
+    count() AS calls,
+    sum(timed_out) AS timeouts,
+    countIf(near_miss IS NOT NULL) AS timeouts_known_duration,
+    countIf(near_miss = 1) AS near_misses,
+    sum(is_error) AS errors,
+    timeouts / calls AS timeout_rate,
+    near_misses / nullIf(timeouts_known_duration, 0) AS near_miss_ratio,
+    errors / calls AS error_rate,
+    quantileTDigest(0.5)(latency_ms) AS latency_p50_ms,
+    quantileTDigest(0.95)(latency_ms) AS latency_p95_ms,
+    quantileTDigest(0.99)(latency_ms) AS latency_p99_ms,
+    countIf(attempt = 1) AS first_attempts,
+    countIf(attempt = 2) AS retried_operations,
+    sum((attempt > 1) + (attempt = 2)) AS retried_operation_attempts,
+    retried_operation_attempts / nullIf(retried_operations, 0) AS retry_amplification,
+    calls / nullIf(first_attempts, 0) AS attempts_per_operation
+FROM loopwatch.tool_calls FINAL
+GROUP BY minute, agent, task_type, tool, traffic_slice;
+
+CREATE OR REPLACE VIEW loopwatch.cache_metrics_1m ON CLUSTER loopwatch AS
+SELECT
+    toStartOfInterval(ts, INTERVAL 60000 MILLISECOND) AS minute,
+    agent, task_type, model, prompt_version, deployment, traffic_slice,
+    count() AS calls,
+    sum(cache_read_input_tokens) AS cache_read_input_tokens,
+    sum(cache_creation_input_tokens) AS cache_creation_input_tokens,
+    sum(uncached_input_tokens) AS uncached_input_tokens,
+    cache_read_input_tokens / nullIf(cache_read_input_tokens + cache_creation_input_tokens + uncached_input_tokens, 0) AS cache_hit_rate,
+    sum(cost_usd) AS cost_usd,
+    sum(rate_limited) AS rate_limited,
+    sum(is_error) AS errors,
+    cache_read_input_tokens AS cache_read_tokens,
+    cache_creation_input_tokens AS cache_creation_tokens
+FROM loopwatch.llm_calls FINAL
+GROUP BY minute, agent, task_type, model, prompt_version, deployment, traffic_slice;
+
 -- retention
 --   events: 30 days by ingested_at (raw events (replay, reprocess, investigations))
 --   dead_letters: 30 days by received_at (refused raw input)
@@ -769,4 +834,4 @@ CREATE TABLE IF NOT EXISTS loopwatch.schema_migrations ON CLUSTER loopwatch
 ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/all/{database}/schema_migrations', '{replica}', applied_at)
 ORDER BY name;
 
-INSERT INTO loopwatch.schema_migrations (name, checksum, applied_at, how) VALUES ('001_tables.sql', 'e3eb8a4006cd5d08606a007182ef47cbc4937cd0bda877df524507ad971a83f8', now64(3), 'cluster.sql'), ('002_metric_views.sql', '9202fdc6febff65a49b7334e231875c16badce7fb29714e8e008eb114c1a6938', now64(3), 'cluster.sql'), ('003_alerts.sql', '37bc19c79eb3199bcb64b0204509850f6121b43f116fb0bf1ec75e7afa8fbc04', now64(3), 'cluster.sql'), ('004_gauges.sql', 'a6963d27e10ec99944d4c6c38dd585655525418ebab2439840cf24d124065cab', now64(3), 'cluster.sql'), ('005_capture.sql', '01a58ad02ece43531633d61c90745016f754a71fda3813c1ee4be3c81ba4d1b2', now64(3), 'cluster.sql'), ('006_events_in.sql', '207a5e23d2e481f2f69a034dde938b1e4d8af2aa25817e02bb091bedf6006573', now64(3), 'cluster.sql'), ('007_ingested_at.sql', '4fdee98e014c8e1b8ddd081c7ad87907e4fc7a9acaf8c99af0cb42764c91da70', now64(3), 'cluster.sql'), ('008_minutes.sql', 'c5b704741a8c658771355756948e57c486dc15cfa21c072e0b5d3c98bc2d3981', now64(3), 'cluster.sql'), ('009_cache_token_names.sql', '47236eb989556b044d00c9dfa42ea4e8eec07c2e20f9fac3870897c9d0cc414f', now64(3), 'cluster.sql'), ('010_agent_revisions.sql', 'dd4660b92beb1fbb182e7054f887c47939364ddcf86cf71a5e011314af5aeafb', now64(3), 'cluster.sql'), ('011_cache_prefix_hashes.sql', '02d34c1be7c223a4cdf0423392b5d623335087594e38a6d1cc6b2ff6d5e1bfb9', now64(3), 'cluster.sql');
+INSERT INTO loopwatch.schema_migrations (name, checksum, applied_at, how) VALUES ('001_tables.sql', 'e3eb8a4006cd5d08606a007182ef47cbc4937cd0bda877df524507ad971a83f8', now64(3), 'cluster.sql'), ('002_metric_views.sql', '9202fdc6febff65a49b7334e231875c16badce7fb29714e8e008eb114c1a6938', now64(3), 'cluster.sql'), ('003_alerts.sql', '37bc19c79eb3199bcb64b0204509850f6121b43f116fb0bf1ec75e7afa8fbc04', now64(3), 'cluster.sql'), ('004_gauges.sql', 'a6963d27e10ec99944d4c6c38dd585655525418ebab2439840cf24d124065cab', now64(3), 'cluster.sql'), ('005_capture.sql', '01a58ad02ece43531633d61c90745016f754a71fda3813c1ee4be3c81ba4d1b2', now64(3), 'cluster.sql'), ('006_events_in.sql', '207a5e23d2e481f2f69a034dde938b1e4d8af2aa25817e02bb091bedf6006573', now64(3), 'cluster.sql'), ('007_ingested_at.sql', '4fdee98e014c8e1b8ddd081c7ad87907e4fc7a9acaf8c99af0cb42764c91da70', now64(3), 'cluster.sql'), ('008_minutes.sql', 'c5b704741a8c658771355756948e57c486dc15cfa21c072e0b5d3c98bc2d3981', now64(3), 'cluster.sql'), ('009_cache_token_names.sql', '47236eb989556b044d00c9dfa42ea4e8eec07c2e20f9fac3870897c9d0cc414f', now64(3), 'cluster.sql'), ('010_agent_revisions.sql', 'dd4660b92beb1fbb182e7054f887c47939364ddcf86cf71a5e011314af5aeafb', now64(3), 'cluster.sql'), ('011_cache_prefix_hashes.sql', '02d34c1be7c223a4cdf0423392b5d623335087594e38a6d1cc6b2ff6d5e1bfb9', now64(3), 'cluster.sql'), ('012_retry_amplification.sql', 'd3309981879906a3c2683c4bca99753cf87d22395a93bd03f815514bc9780f8c', now64(3), 'cluster.sql');

@@ -50,7 +50,7 @@ def load_scenarios() -> dict[str, Scenario]:
 
     >>> scenarios = load_scenarios()
     >>> len(scenarios), scenarios["rate_limit_storm"].expected
-    (15, ('rate_limit_storm',))
+    (16, ('rate_limit_storm',))
     """
     text = resources.files("loopwatch.scenarios").joinpath("library.toml").read_text()
     found: dict[str, Scenario] = {}

@@ -38,6 +38,9 @@ class Behaviour:
     tool_median_ms: float = 300.0
     rate_limit_share: float = 0.001
     permanent_400_attempts: int = 0
+    #: each call of ``failing_tool`` (every tool if None) takes this many attempts: the
+    #: earlier ones fail with a transient 503, the last gets through (RSUCC, A24)
+    tool_retry_attempts: int = 1
     #: an orchestrator re-queues each run this many more times, as new runs sharing its
     #: ``job_id`` (the job layer of retry amplification)
     job_retries: int = 0
@@ -141,7 +144,10 @@ class Traffic:
             else:
                 tool = rng.choice(agent.tools)
             args = "loop" if fate == "looped" and number >= steps - 4 else f"{number}"
-            yield self._tool(b, clock, tool, args, common, rng)
+            if b.tool_retry_attempts > 1 and b.failing_tool in (None, tool):
+                yield from self._retried_tool(b, clock, tool, args, common, rng)
+            else:
+                yield self._tool(b, clock, tool, args, common, rng)
         clock += timedelta(seconds=1)
         if fate == "abandon":
             return
@@ -196,6 +202,19 @@ class Traffic:
             cache_creation_input_tokens=written, response_model=b.response_model,
             http_status=429 if limited else 200, error_type="rate_limited" if limited else None,
             latency_ms=rng.lognormvariate(math.log(900), 0.3), **common)
+
+    def _retried_tool(self, b: Behaviour, clock: datetime, tool: str, args: str,
+                      common: dict[str, str], rng: random.Random) -> Iterator[ToolCall]:
+        """One operation retried until it gets through on its last attempt."""
+        for attempt in range(1, b.tool_retry_attempts):
+            yield ToolCall(ts=clock + timedelta(milliseconds=attempt), tool=tool,
+                           args_hash=args, attempt=attempt, latency_ms=50.0,
+                           timeout_ms=b.tool_timeout_ms, error_type="http_5xx",
+                           http_status=503, **common)
+        last = self._tool(b, clock, tool, args, common, rng)
+        yield last.model_copy(update={
+            "ts": clock + timedelta(milliseconds=b.tool_retry_attempts),
+            "attempt": b.tool_retry_attempts})
 
     def _tool(self, b: Behaviour, clock: datetime, tool: str, args: str,
               common: dict[str, str], rng: random.Random) -> ToolCall:

@@ -26,6 +26,7 @@ from typing import Any, Literal
 from scipy.stats import binom
 
 from loopwatch.core.metrics import MetricsError, expand
+from loopwatch.detectors.anomaly.registry import DEFAULT_DETECTOR, DETECTORS
 
 Severity = Literal["critical", "warning", "info"]
 FindingState = Literal["active", "inactive", "too_few_samples", "waiting_for_history"]
@@ -78,7 +79,8 @@ class Rule:
     factor: float | None = None
     kind: Literal["threshold", "proportion", "anomaly"] = "threshold"
     alpha: float = 0.001
-    detector: str = "generic"
+    detector: str = DEFAULT_DETECTOR
+    """An anomaly rule's detector (a registry name); unless named, the registry's default."""
     score_threshold: float = 0.5
     recent_points: int = 3
     min_samples: int = 1
@@ -175,8 +177,6 @@ def _rule(raw: dict[str, Any]) -> Rule:
     if rule.op not in OPS:
         raise ValueError(f"rule {name}: op must be one of {sorted(OPS)}")
     if rule.kind == "anomaly":
-        from loopwatch.detectors.anomaly.registry import DETECTORS
-
         if rule.detector not in DETECTORS:
             raise ValueError(f"rule {name}: unknown detector {rule.detector!r}")
     elif rule.kind == "threshold" and (rule.threshold is None) == (rule.factor is None):
@@ -275,8 +275,6 @@ def _evaluate_series(rule: Rule, rows: Iterable[Mapping[str, Any]],
     """An online detector over each label set's series (rows ``t``, ``value`` in time
     order): every new point is scored on what came before it, then learned. The finding
     is active when one of the last ``recent_points`` scored at least ``score_threshold``."""
-    from loopwatch.detectors.anomaly.registry import DETECTORS
-
     grouped: dict[tuple[str, ...], list[Mapping[str, Any]]] = {}
     for row in rows:
         key = tuple(str(row.get(name, "")) for name in rule.labels)

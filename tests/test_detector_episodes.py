@@ -175,8 +175,55 @@ def test_cost_anomaly_rule_does_not_page_on_a_young_series_record() -> None:
     values = young_record()
     rows = [{"agent": "research-agent", "t": START + timedelta(minutes=5 * i), "value": v}
             for i, v in enumerate(values)]
-    assert rule.detector == "episodic"
+    assert rule.detector == DEFAULT_DETECTOR == "episodic"
     (finding,) = evaluate(rule, rows, series={})
     assert (finding.state, finding.extra["score"]) == ("inactive", 0.0)
     (before,) = evaluate(replace(rule, detector="generic"), rows, series={})
     assert (before.state, before.extra["score"]) == ("active", 1.0)
+
+
+def test_an_anomaly_rule_without_a_detector_runs_the_registry_default() -> None:
+    """One source for the default detector (issue 29): a rule of kind ``anomaly`` that
+    names no detector gets ``registry.DEFAULT_DETECTOR``, and the shipped cost rule names
+    none, so it follows the default (it used to say ``episodic`` itself while
+    ``Rule.detector`` defaulted to ``generic``)."""
+    from loopwatch.detectors.rules import Rule, load_rules
+
+    text = '''
+[[rules]]
+name = "odd_cost"
+description = "d"
+severity = "warning"
+playbook = "cost_spike"
+labels = ["agent"]
+kind = "anomaly"
+summary = "s"
+sql = "SELECT 1 WHERE traffic_slice NOT IN {excluded_slices:Array(String)}"
+'''
+    assert load_rules(text)["odd_cost"].detector == DEFAULT_DETECTOR
+    assert Rule.__dataclass_fields__["detector"].default == DEFAULT_DETECTOR
+    shipped = (Path(__file__).resolve().parents[1] / "detectors" / "rules.toml").read_text()
+    assert "detector = \"episodic\"" not in shipped
+    assert load_rules()["cost_per_minute_anomaly"].detector == DEFAULT_DETECTOR
+
+
+def test_nab_ideas_replays_the_episode_logic_exactly() -> None:
+    """bench/nab_ideas scores each idea by replaying inner scores through Refractory and
+    AnomalyLikelihood: on a scripted series the replay equals running the detectors."""
+    from loopwatch.bench.nab_ideas import INNER, likelihood, refractory
+    from loopwatch.detectors.anomaly.base import surprise_from_log10
+    from loopwatch.detectors.anomaly.likelihood import AnomalyLikelihood
+
+    values, times = shifted(), minutes(1500)
+    inner = np.array(score_series(INNER["generic"](), values, times))
+    replayed = refractory({"f": inner})["f"]
+    assert replayed.tolist() == score_series(DETECTORS[DEFAULT_DETECTOR](), values, times)
+    pages = refractory({"f": inner}, level=0.45, pages_at=0.45)["f"]
+    assert np.flatnonzero(pages[400:]).tolist() == [800, 1043]  # rows 1200 and 1443
+    assert set(pages.tolist()) <= {0.0, 1.0}
+    raw = np.array(score_series(ContextNovelty(), values, times))
+    model, direct = AnomalyLikelihood(), []
+    for value in raw:
+        direct.append(surprise_from_log10(model.log10_tail(float(value))))
+        model.learn(float(value))
+    assert likelihood({"f": raw})["f"].tolist() == direct

@@ -18,15 +18,18 @@ class MaxEnsemble:
     point. Wrap it in :class:`~loopwatch.detectors.anomaly.refractory.Refractory` so that
     members agreeing on one episode page once.
 
-    >>> class Const:
-    ...     def __init__(self, value: float) -> None:
-    ...         self.name, self.value = "const", value
+    >>> class Last:  # distance from the last point learned, capped at 1
+    ...     def __init__(self) -> None:
+    ...         self.name, self.last = "last", None
     ...     def score_one(self, x: float, t: datetime | None = None) -> float:
-    ...         return self.value
+    ...         return 0.0 if self.last is None else min(1.0, abs(x - self.last))
     ...     def learn_one(self, x: float, t: datetime | None = None) -> None:
-    ...         pass
-    >>> MaxEnsemble([(Const(0.3), 1.0), (Const(0.9), 0.5)]).score_one(0.0)
-    0.45
+    ...         self.last = x
+    >>> from loopwatch.detectors.anomaly.base import score_series
+    >>> score_series(MaxEnsemble([(Last(), 1.0), (Last(), 0.5)]), [0.0, 0.3, 2.0, 2.0])
+    [0.0, 0.3, 1.0, 0.0]
+    >>> score_series(MaxEnsemble([(Last(), 0.5)]), [0.0, 0.3, 2.0, 2.0])
+    [0.0, 0.15, 0.5, 0.0]
     """
 
     def __init__(

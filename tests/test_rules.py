@@ -700,7 +700,8 @@ def test_a_detector_pass_is_one_query_for_every_rule(fleet, local_store):
 
 def test_every_rule_finds_in_the_batch_what_it_finds_alone(fleet, local_store):
     """The batch hands each rule the rows that decide its findings, exactly: each rule's
-    findings from its own query and from its branch of the batch are equal."""
+    findings from its own query and from its branch of the batch are equal (every field,
+    floats to the last digit, through their repr)."""
     from loopwatch.detectors.batch import RuleQueries
     from loopwatch.detectors.rules import evaluate
 
@@ -714,7 +715,9 @@ def test_every_rule_finds_in_the_batch_what_it_finds_alone(fleet, local_store):
         alone = run_query(client, rule.sql, parameters, readonly=True).records()
         batched = together[rule.name]
         assert not isinstance(batched, Exception), (rule.name, batched)
-        assert evaluate(rule, batched, {}, {}) == evaluate(rule, alone, {}, {}), rule.name
+        # as sets: a rule without ORDER BY (run_cost_budget's join) answers in any order
+        assert sorted(map(repr, evaluate(rule, batched, {}, {}))) == sorted(
+            map(repr, evaluate(rule, alone, {}, {}))), rule.name
         compared += bool(alone)
     assert compared >= 15  # rules with rows to compare, not only empty answers
 

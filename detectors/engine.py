@@ -26,6 +26,7 @@ from loopwatch.detectors.alerts import (
     named_run_ids,
     replay_evidence,
 )
+from loopwatch.detectors.batch import RuleQueries
 from loopwatch.detectors.outbox import Outbox
 from loopwatch.detectors.rules import (
     EXCLUDED_SLICES,
@@ -94,6 +95,9 @@ class DetectorEngine:
         self.book = AlertBook(self._restore(), severity_for=self._severity_for)
         self.last_findings: dict[str, list[Finding]] = {}
         self._series: dict[str, dict[tuple[str, ...], SeriesState]] = {}
+        #: each rule's output columns, and the rules queried alone (detectors/batch.py)
+        self._columns: dict[str, list[str]] = {}
+        self._alone: set[str] = set()
         self._last_sent: dict[str, datetime] = {}
         #: history rows the store refused, oldest first, written with a later pass
         self._unwritten: deque[tuple[str, list[dict[str, Any]]]] = deque()
@@ -131,12 +135,20 @@ class DetectorEngine:
         event_now = event_now or self.event_now()
         transitions: list[Transition] = []
         evaluations: list[dict[str, Any]] = []
+        work: list[tuple[Rule, dict[str, Any]]] = []
         for rule in self.rules.values():
             now = wall_now if rule.clock == "wall" else event_now
-            if now is None:
-                continue
+            if now is not None:
+                work.append((rule, self._parameters(rule, now, wall_now)))
+        answers = RuleQueries(self.query, self._columns, self._alone).rows(work)
+        for rule, parameters in work:
+            now = parameters["now"]
+            rows = answers[rule.name]
             try:
-                findings = self._findings(rule, now, wall_now)
+                if isinstance(rows, Exception):
+                    raise rows
+                findings = evaluate(rule, rows, self.policy.daily_budget_usd,
+                                    self._series.setdefault(rule.name, {}))
             except Exception as exc:
                 log.warning("rule %s failed: %s", rule.name, exc)
                 continue
@@ -176,13 +188,11 @@ class DetectorEngine:
             self._unwritten.remove(oldest)
             self.unwritten_dropped += len(oldest[1])
 
-    def _findings(self, rule: Rule, now: datetime, wall_now: datetime) -> list[Finding]:
-        parameters = {"now": now, "start": now - rule.window,
-                      "baseline_start": now - max(rule.baseline, rule.window),
-                      "wall_now": wall_now, EXCLUDED_SLICES: list(self.policy.excluded_slices)}
-        rows = self.query(rule.sql, parameters).records()
-        series = self._series.setdefault(rule.name, {})
-        return evaluate(rule, rows, self.policy.daily_budget_usd, series)
+    def _parameters(self, rule: Rule, now: datetime, wall_now: datetime) -> dict[str, Any]:
+        """The query parameters of ``rule`` evaluated at ``now`` (rules.toml's header)."""
+        return {"now": now, "start": now - rule.window,
+                "baseline_start": now - max(rule.baseline, rule.window),
+                "wall_now": wall_now, EXCLUDED_SLICES: list(self.policy.excluded_slices)}
 
     def _with_evidence(self, alert: Alert, now: datetime) -> Alert:
         """Run the playbook's investigation queries for this alert's labels."""

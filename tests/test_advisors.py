@@ -17,7 +17,6 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from loopwatch.core.config import AdvisorSettings
-from loopwatch.detectors.advisors import advise
 from loopwatch.detectors.advisors.base import Scope, sort_findings
 from loopwatch.detectors.advisors.cache import CallSums, modeled_cost, sums_of_run
 from loopwatch.detectors.advisors.cli import findings_json
@@ -25,6 +24,7 @@ from loopwatch.detectors.advisors.judge import Confusion
 from loopwatch.detectors.advisors.pipeline import agent_input_tokens, determinism
 from loopwatch.detectors.advisors.quadratic import compacted_cost, digest_saving, projected_cost
 from loopwatch.detectors.advisors.retry import Amplification
+from loopwatch.detectors.advisors.run import advise
 from loopwatch.detectors.advisors.timeout import HUNG, CostCurve, Rates, bin_ms, round_up
 from loopwatch.ingest.events import Label
 from loopwatch.processors.pricing import Price, PriceTable

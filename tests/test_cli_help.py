@@ -52,3 +52,24 @@ def test_a_commands_help_keeps_every_bracketed_note(path):
     shown = _flat(result.output)
     missing = [note for note in _notes(COMMANDS[path]) if note not in shown]
     assert missing == []
+
+
+#: what a command that reads no store must not pay for at start: the store client
+#: (clickhouse-connect, httpx) and every advisor come in with the command that uses them
+NOT_AT_START = ("clickhouse_connect", "httpx", "chdb", "scipy", "numpy", "faust",
+                "loopwatch.store.reader", "loopwatch.detectors.advisors.run",
+                "loopwatch.detectors.advisors.base")
+
+
+def test_the_cli_starts_without_the_store_client_or_the_advisors():
+    """Every ``loopwatch`` command imports the whole CLI (its parts register their
+    commands); a heavy import there is paid by ``--help``, every usage error and every
+    command that reads no store (the tests start ~80 such children)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, loopwatch.cli; print(' '.join(sorted(name for name in sys.modules "
+             f"if name.split('.')[0] in {NOT_AT_START!r} or name in {NOT_AT_START!r})))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert done.stdout.split() == []

@@ -644,3 +644,128 @@ def test_anomaly_detectors_learn_each_point_once_across_evaluations(fleet, local
     fleet.flush()
     detector.evaluate(event_now=NOW + timedelta(minutes=5, seconds=5))
     assert finding(detector, "cost_per_minute_anomaly", agent).samples == 61
+
+
+# -- one query per pass (detectors/batch.py) ------------------------------------------
+
+class Counted:
+    """The engine's query function, counting what it sends."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.sent: list[str] = []
+
+    def __call__(self, sql: str, parameters: dict[str, Any]) -> Any:
+        from loopwatch.detectors.batch import IN_STEP_SQL
+
+        if sql != IN_STEP_SQL:  # the check after a failure is not a rule's query
+            self.sent.append(sql)
+        return run_query(self.client, sql, parameters, readonly=True)
+
+
+def mixed_traffic(fleet: Fleet) -> str:
+    """Traffic that gives most rules rows: runs closed, looping and stuck, LLM calls with
+    tokens, retries and errors, tool calls failing and rate limited."""
+    agent, _ = agents()
+    for index in range(30):
+        at = NOW - timedelta(minutes=3, seconds=index)
+        fleet.run(agent, at, steps=3, loop=index % 5 == 0, input_tokens=900 + index,
+                  output_tokens=40 + index, cache_read_tokens=100 * (index % 3),
+                  attempt=1 + index % 3, http_status=429 if index % 7 == 0 else 200)
+        fleet.add(ToolCall(ts=at, run_id=f"t-{agent}", agent=agent, tool="search",
+                           args_hash=str(index), latency_ms=100.0 + index,
+                           error_type="http_5xx" if index % 4 == 0 else None))
+    fleet.run(agent, NOW - timedelta(minutes=1), steps=25, end=None)
+    fleet.flush()
+    return agent
+
+
+def test_a_detector_pass_is_one_query_for_every_rule(fleet, local_store):
+    """Before, a pass sent one query per rule (30); now the rules' columns are described
+    once, then every pass is one UNION ALL of every rule."""
+    mixed_traffic(fleet)
+    _, client = local_store
+    counted = Counted(client)
+    detector = DetectorEngine(counted, lambda table, rows: None, rules=load_rules(),
+                              playbook_steps=lambda name: [])
+    counted.sent.clear()  # the engine's restore of open alerts
+    detector.evaluate(event_now=NOW, wall_now=NOW)
+    assert sum(sql.startswith("DESCRIBE") for sql in counted.sent) == len(detector.rules)
+    counted.sent.clear()
+    detector.evaluate(event_now=NOW, wall_now=NOW)
+    assert len(counted.sent) == 1, counted.sent
+    assert counted.sent[0].count("\nUNION ALL\n") == len(detector.rules) - 1
+    assert set(detector.last_findings) == set(detector.rules)
+
+
+def test_every_rule_finds_in_the_batch_what_it_finds_alone(fleet, local_store):
+    """The batch hands each rule the rows that decide its findings, exactly: each rule's
+    findings from its own query and from its branch of the batch are equal (every field,
+    floats to the last digit, through their repr)."""
+    from loopwatch.detectors.batch import RuleQueries
+    from loopwatch.detectors.rules import evaluate
+
+    mixed_traffic(fleet)
+    _, client = local_store
+    detector = engine(local_store)
+    work = [(rule, detector._parameters(rule, NOW, NOW)) for rule in detector.rules.values()]
+    together = RuleQueries(Counted(client), {}, set()).rows(work)
+    compared = 0
+    for rule, parameters in work:
+        alone = run_query(client, rule.sql, parameters, readonly=True).records()
+        batched = together[rule.name]
+        assert not isinstance(batched, Exception), (rule.name, batched)
+        # as sets: a rule without ORDER BY (run_cost_budget's join) answers in any order
+        assert sorted(map(repr, evaluate(rule, batched, {}, {}))) == sorted(
+            map(repr, evaluate(rule, alone, {}, {}))), rule.name
+        compared += bool(alone)
+    assert compared >= 15  # rules with rows to compare, not only empty answers
+
+
+def test_a_rule_that_fails_in_the_batch_fails_alone_and_the_others_still_answer(
+        fleet, local_store, caplog):
+    agent = mixed_traffic(fleet)
+    rules = load_rules(f"""
+[[rules]]
+name = "steady"
+description = "answers every pass"
+severity = "warning"
+playbook = "agent_stuck_in_loop"
+labels = ["agent"]
+threshold = 0
+summary = "x"
+all_traffic = true
+sql = '''SELECT agent, toFloat64(count()) AS value FROM runs FINAL WHERE agent = '{agent}'
+         GROUP BY agent'''
+
+[[rules]]
+name = "breaks_later"
+description = "fails once event time passes NOW"
+severity = "warning"
+playbook = "agent_stuck_in_loop"
+labels = ["agent"]
+threshold = 0
+summary = "x"
+all_traffic = true
+sql = '''SELECT 'a' AS agent, 1 + throwIf({{now:DateTime64(3, 'UTC')}}
+                                           > '{NOW:%Y-%m-%d %H:%M:%S}', 'broken') AS value'''
+""")
+    _, client = local_store
+    counted = Counted(client)
+    detector = DetectorEngine(counted, lambda table, rows: None, rules=rules,
+                              playbook_steps=lambda name: [])
+    detector.evaluate(event_now=NOW, wall_now=NOW)
+    assert [f.value for f in detector.last_findings["breaks_later"]] == [1.0]
+    later = NOW + timedelta(minutes=1)
+    detector.last_findings.clear()
+    counted.sent.clear()
+    detector.evaluate(event_now=later, wall_now=later)
+    assert [(f.labels, f.value) for f in detector.last_findings["steady"]] == [
+        ({"agent": agent}, 32.0)]  # 30 closed, the stuck one, the tool calls' run
+    assert "breaks_later" not in detector.last_findings
+    assert "rule breaks_later failed" in caplog.text
+    assert len(counted.sent) == 3  # the batch, then each rule alone
+    counted.sent.clear()
+    detector.evaluate(event_now=later, wall_now=later)
+    assert len(counted.sent) == 2  # the broken rule alone until it answers, the rest batched
+    assert [f.value for f in detector.last_findings["steady"]] == [32.0]

@@ -352,7 +352,7 @@ class WebApi:
         """``/api/advice?agent=``: ``loopwatch advise --json`` for the Advice page
         (detectors/advisors), over the configured window ending at the newest event."""
         from loopwatch.core.config import load_settings
-        from loopwatch.detectors.advisors import advise_now
+        from loopwatch.detectors.advisors.run import advise_now
 
         agent = (params.get("agent") or [""])[0]
         if len(agent) > MAX_VALUE_LENGTH:

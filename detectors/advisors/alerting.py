@@ -106,7 +106,7 @@ def advisor_pass(reader: Reader, write: Write, settings: AdvisorSettings,
                  max_clock_skew: timedelta, now: datetime | None = None,
                  scope: Scope | None = None) -> list[Alert]:
     """One pass: compute, compare, write; returns the rows written."""
-    from loopwatch.detectors.advisors import advise
+    from loopwatch.detectors.advisors.run import advise
 
     wall = now or datetime.now(UTC)
     scope = scope or window_ending_now(reader, settings, "", wall, max_clock_skew)

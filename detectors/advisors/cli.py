@@ -27,7 +27,7 @@ def advise_command(agent: AgentOption = "", data_dir: DataDir = None,
     from rich.markup import escape
     from rich.padding import Padding
 
-    from loopwatch.detectors.advisors import advise_now
+    from loopwatch.detectors.advisors.run import advise_now
     from loopwatch.storecheck import open_checked
 
     if len(agent) > 256:

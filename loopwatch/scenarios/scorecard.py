@@ -188,9 +188,9 @@ def score(client: Client, settings: Settings, *, seed: int = 7, history_days: fl
 def _advice(client: Client, since: datetime, until: datetime, agent: str = "") -> list[Any]:
     """The advisors' findings over a stretch of simulated time (detectors/advisors)."""
     from loopwatch.core.config import AdvisorSettings
-    from loopwatch.detectors.advisors import advise
     from loopwatch.detectors.advisors.alerting import QueryReader
     from loopwatch.detectors.advisors.base import Scope
+    from loopwatch.detectors.advisors.run import advise
 
     reader = QueryReader(lambda sql, parameters: run_query(client, sql, parameters,
                                                            readonly=True))

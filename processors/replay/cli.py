@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import orjson
 import typer
@@ -20,7 +20,9 @@ from loopwatch.cliargs import DataDir, JsonFlag, console, positive, settings_fro
 from loopwatch.core.money import usd
 from loopwatch.processors.replay.diff import diff_json
 from loopwatch.processors.replay.recording import Recording, RunNotFound, Step, load_recording
-from loopwatch.store.reader import QueryError, Reader
+
+if TYPE_CHECKING:  # imported by every CLI start: the store client only when a command reads
+    from loopwatch.store.reader import Reader
 
 out = Console(soft_wrap=False)
 SHORT_CHARS = 400
@@ -30,7 +32,7 @@ FullFlag = Annotated[bool, typer.Option("--full", help="print every body in full
 
 
 def _reader(data_dir: Path | None) -> Reader:
-    from loopwatch.store.reader import open_reader
+    from loopwatch.store.reader import QueryError, open_reader
     from loopwatch.storecheck import store_to_read
 
     settings = settings_from(data_dir)
@@ -43,6 +45,8 @@ def _reader(data_dir: Path | None) -> Reader:
 
 
 def _load(reader: Reader, run_id: str) -> Recording:
+    from loopwatch.store.reader import QueryError
+
     try:
         return load_recording(reader, run_id)
     except RunNotFound as exc:
@@ -223,6 +227,7 @@ def economics_command(
     from datetime import timedelta
 
     from loopwatch.processors.replay.economics import Rates, agent_economics
+    from loopwatch.store.reader import QueryError
 
     settings = settings_from(data_dir)
     reader = _reader(data_dir)

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from loopwatch.ingest.capture import Blob, PartRef, assemble_part
-from loopwatch.store.reader import Reader
+
+if TYPE_CHECKING:  # the CLI imports this module at every start: the store client waits
+    from loopwatch.store.reader import Reader
 
 StepType = Literal["llm", "tool"]
 CaptureState = Literal["kept", "pending", "discarded"]

@@ -59,14 +59,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from loopwatch.ingest.capture import TRUNCATION_MARK
 from loopwatch.processors.replay.diff import Divergence, DivergenceKind
 from loopwatch.processors.replay.recording import CaptureStatus, Recording, Step, StepType
-from loopwatch.store.reader import Reader
+
+if TYPE_CHECKING:  # the CLI imports this module at every start: the store client waits
+    from loopwatch.store.reader import Reader
 
 
 class ReplayDivergence(AssertionError):

@@ -42,8 +42,8 @@ from loopwatch.ingest.events import EventBase
 from loopwatch.ingest.sdk import MAX_BATCH, MAX_MESSAGE_BYTES, partition_for
 from loopwatch.ingest.wire import decode_message, envelope_chunks, message_value
 from loopwatch.processors.app import TableRunStore, chunks, tune_gc
-from loopwatch.processors.kafka_writes import KafkaWrites
 from loopwatch.processors.jobs.reprocess import MemoryRunStore
+from loopwatch.processors.kafka_writes import KafkaWrites
 from loopwatch.processors.pipeline import Pipeline, RawMessage
 from loopwatch.processors.runs import RunState
 from loopwatch.store.clickhouse import migrate

@@ -153,6 +153,8 @@ def _builder(model: type[EventBase]) -> Callable[[msgspec.Struct], EventBase]:
 MIRRORS: dict[type[msgspec.Struct], Callable[[msgspec.Struct], EventBase]] = {
     mirror(model): _builder(model) for model in EVENT_TYPES
 }
+#: the mirrors' classes (a struct is never a model: it has no extras)
+STRUCTS = frozenset(MIRRORS)
 _ANY_EVENT = Union[tuple(MIRRORS)]  # type: ignore[valid-type]  # noqa: UP007
 
 

@@ -45,6 +45,7 @@ import msgspec
 from loopwatch.core.config import Settings
 from loopwatch.ingest.attribution import EXPLICIT, claim_of
 from loopwatch.ingest.events import Annotation, EventBase, Label, LlmCall, ToolCall
+from loopwatch.ingest.structs import STRUCTS
 from loopwatch.ingest.wire import DeadLetter, Decoded, decode_message, encode_event
 from loopwatch.processors import attribution, rows
 from loopwatch.processors.deadletter import DeadLetterRecord, bounded, payload_limit
@@ -427,7 +428,8 @@ class Pipeline:
             work.rows.add(tables.ANNOTATIONS, rows.annotation_row(note, now))
             return
         agent_rank = EXPLICIT
-        claim = claim_of(event)
+        # only a model carries extras, hence a claim: a struct (no extras) makes none
+        claim = None if type(event) in STRUCTS else claim_of(event)
         if claim is not None:  # an OTLP span's: the run's agent decides (see module)
             event, agent_rank, revise = attribution.attribute(
                 self._state_for(touched, event, message.partition, event_ms, kind),

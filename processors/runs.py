@@ -286,8 +286,9 @@ def new_state(event: EventBase, partition: int, when: int | None = None) -> RunS
 #: what the fold does with an event, by its class: a model or its msgspec mirror
 #: (:func:`loopwatch.ingest.wire.decode_message` with ``structs``) fold alike
 RUN_START, STEP, LLM_CALL, TOOL_CALL, RUN_END, LABEL, ANNOTATION = range(7)
-_KIND_OF_MODEL: dict[type, int] = {RunStart: RUN_START, Step: STEP, LlmCall: LLM_CALL, ToolCall: TOOL_CALL,
-                  RunEnd: RUN_END, Label: LABEL, Annotation: ANNOTATION}
+_KIND_OF_MODEL: dict[type, int] = {
+    RunStart: RUN_START, Step: STEP, LlmCall: LLM_CALL, ToolCall: TOOL_CALL, RunEnd: RUN_END,
+    Label: LABEL, Annotation: ANNOTATION}
 assert set(_KIND_OF_MODEL) == set(EVENT_TYPES), "a new event type needs its fold kind"
 _MODEL_OF_TAG = {model.model_fields["event_type"].default: model for model in EVENT_TYPES}
 KINDS: dict[type, int] = {

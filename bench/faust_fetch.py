@@ -98,7 +98,7 @@ def faust_consume(bootstrap: str, expected: int, group: str, overrides: dict[str
                               env={**os.environ, "LOOPWATCH_KAFKA_BOOTSTRAP": bootstrap})
         if not out.exists():
             raise RuntimeError(f"the faust child wrote no figure (exit {done.returncode}): "
-                               f"{done.stderr.decode()[-2000:]}")
+                               f"{(done.stdout + done.stderr).decode()[-3000:]}")
         figures: dict[str, float] = orjson.loads(out.read_bytes())
     return figures
 

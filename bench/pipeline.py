@@ -431,7 +431,7 @@ async def _raw_consume(bootstrap: str, topic: str, expected: int, timeout_s: flo
     try:
         partitions = consumer.partitions_for_topic(topic) or set()
         if not partitions:
-            await consumer.force_metadata_update()
+            await consumer._client.force_metadata_update()  # the consumer has no public one
             partitions = consumer.partitions_for_topic(topic) or set()
         assigned = [TopicPartition(topic, p) for p in sorted(partitions)]
         consumer.assign(assigned)

@@ -38,7 +38,7 @@ from loopwatch.ingest.events import (
     check_schema_version,
     parse_event,
 )
-from loopwatch.ingest.structs import mirror_message
+from loopwatch.ingest.structs import mirror_message, mirror_structs
 
 ENVELOPE_VERSION = 1
 #: the deepest nesting orjson writes back
@@ -206,8 +206,13 @@ def decode_one(item: Any, message: bytes = b"") -> EventBase | DeadLetter:
         return DeadLetter(_validation_reason(exc), raw, run_id)
 
 
-def decode_message(value: bytes | None, max_bytes: int) -> Decoded:
+def decode_message(value: bytes | None, max_bytes: int, *, structs: bool = False) -> Decoded:
     """Decode a message value into events and dead letters (never raises).
+
+    ``structs``: a message the msgspec mirror accepts whole comes back as its validated
+    structs (:func:`loopwatch.ingest.structs.mirror_structs`), which read as the models do,
+    instead of model instances: the processors' fold, which reads fields only, saves
+    building a model per event. Any other message decodes as without it.
 
     >>> d = decode_message(b'{"envelope_version":1,"events":[{"event_type":"step",'
     ...     b'"run_id":"r","agent":"a","step":1},{"event_type":"nope"}]}', 10_000)
@@ -220,7 +225,7 @@ def decode_message(value: bytes | None, max_bytes: int) -> Decoded:
         return Decoded(
             [], [DeadLetter(f"oversized message: {len(value)} bytes > {max_bytes}", value)]
         )
-    mirrored = mirror_message(value, ENVELOPE_VERSION)
+    mirrored = (mirror_structs if structs else mirror_message)(value, ENVELOPE_VERSION)
     if mirrored is not None:
         return Decoded(mirrored.events, [], mirrored.as_json)
     fast = _decode_in_one_call(value)

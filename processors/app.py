@@ -129,6 +129,30 @@ def chunks(messages: list[RawMessage]) -> Iterator[list[RawMessage]]:
         yield chunk
 
 
+def faust_settings(settings: Settings, bootstrap: str) -> dict[str, Any]:
+    """The faust app's settings (also those of the fetch bench,
+    :mod:`loopwatch.bench.faust_fetch`, so it measures the processor's own fetch path)."""
+    return {
+        "broker": ";".join(f"kafka://{host}" for host in bootstrap.split(",")),
+        "store": "memory://",
+        "web_enabled": False,
+        "autodiscover": False,
+        "topic_partitions": settings.partitions,
+        "topic_replication_factor": 1,
+        "table_standby_replicas": 0,
+        "consumer_auto_offset_reset": "earliest",
+        "broker_session_timeout": settings.session_timeout_s,
+        "broker_heartbeat_interval": min(3.0, settings.session_timeout_s / 3),
+        "broker_commit_interval": 1.0,
+        "producer_request_timeout": settings.producer_request_timeout_s,
+        "stream_wait_empty": False,
+        "producer_max_request_size": settings.broker_max_message_bytes,
+        "producer_max_batch_size": CHANGELOG_BATCH_BYTES,
+        "producer_linger_ms": CHANGELOG_LINGER_MS,
+        "consumer_max_fetch_size": max(settings.max_message_bytes * 2, 4_194_304),
+    }
+
+
 def _report_unstored(acked: asyncio.Future[None]) -> None:
     """Log a batch left unacked because its writes stopped retrying (the worker is
     stopping); the agent may no longer be there to await it."""
@@ -324,26 +348,7 @@ class Processor:
         self.positions: dict[int, int] = {}
         self._caught_up = False
         self.kafka_writes = KafkaWrites(settings.sink_retry_s)
-        self.app = faust.App(
-            settings.consumer_group,
-            broker=";".join(f"kafka://{host}" for host in bootstrap.split(",")),
-            store="memory://",
-            web_enabled=False,
-            autodiscover=False,
-            topic_partitions=settings.partitions,
-            topic_replication_factor=1,
-            table_standby_replicas=0,
-            consumer_auto_offset_reset="earliest",
-            broker_session_timeout=settings.session_timeout_s,
-            broker_heartbeat_interval=min(3.0, settings.session_timeout_s / 3),
-            broker_commit_interval=1.0,
-            producer_request_timeout=settings.producer_request_timeout_s,
-            stream_wait_empty=False,
-            producer_max_request_size=settings.broker_max_message_bytes,
-            producer_max_batch_size=CHANGELOG_BATCH_BYTES,
-            producer_linger_ms=CHANGELOG_LINGER_MS,
-            consumer_max_fetch_size=max(settings.max_message_bytes * 2, 4_194_304),
-        )
+        self.app = faust.App(settings.consumer_group, **faust_settings(settings, bootstrap))
         self.events_topic = self.app.topic(
             settings.events_topic, key_type=bytes, value_type=bytes,
             key_serializer="raw", value_serializer="raw", partitions=settings.partitions,

@@ -38,16 +38,31 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Protocol
+from typing import ClassVar, Protocol
+
+import msgspec
 
 from loopwatch.core.config import Settings
 from loopwatch.ingest.attribution import EXPLICIT, claim_of
-from loopwatch.ingest.events import Annotation, EventBase, Label, LlmCall, RunStart, ToolCall
+from loopwatch.ingest.events import Annotation, EventBase, Label, LlmCall, ToolCall
+from loopwatch.ingest.structs import STRUCTS
 from loopwatch.ingest.wire import DeadLetter, Decoded, decode_message, encode_event
 from loopwatch.processors import attribution, rows
 from loopwatch.processors.deadletter import DeadLetterRecord, bounded, payload_limit
 from loopwatch.processors.pricing import PriceTable, cost_mismatch
-from loopwatch.processors.runs import RunState, abandon_if_expired, apply_event, ms, new_state
+from loopwatch.processors.runs import (
+    ANNOTATION,
+    LABEL,
+    LLM_CALL,
+    RUN_START,
+    TOOL_CALL,
+    RunState,
+    abandon_if_expired,
+    apply_event,
+    kind_of,
+    ms,
+    new_state,
+)
 from loopwatch.store import letters, tables
 from loopwatch.store.sink import RowBatch
 
@@ -74,6 +89,13 @@ class RunStore(Protocol):
     def states(self) -> Iterable[RunState]:
         """States of the partitions this worker actively owns."""
         ...
+
+
+def _event_json(event: EventBase) -> bytes:
+    """An event's JSON for its dead letter: a model's, or its struct's (the same fields)."""
+    if isinstance(event, msgspec.Struct):
+        return msgspec.json.encode(event)
+    return encode_event(event)
 
 
 #: width of a deadline bucket (event-time ms): a sweep revisits at most one bucket's
@@ -113,6 +135,10 @@ class Work:
 
 
 class Pipeline:
+    #: decode messages the msgspec mirror accepts into its structs, not models (the
+    #: fold reads fields only); a reference fold over models sets it False
+    decode_structs: ClassVar[bool] = True
+
     def __init__(
         self,
         settings: Settings,
@@ -164,7 +190,8 @@ class Pipeline:
         self._future_ms = (self.clock() + self.settings.max_clock_skew_s) * 1000
         for message in messages:
             self.counters.messages += 1
-            decoded = decode_message(message.value, self.settings.max_message_bytes)
+            decoded = decode_message(message.value, self.settings.max_message_bytes,
+                                     structs=self.decode_structs)
             for index, letter in enumerate(decoded.dead):
                 self._dead_letter(work, message, index, letter, now)
             if decoded.events:
@@ -181,7 +208,7 @@ class Pipeline:
                     self._handle_event(work, touched, message, event, now)
                 except Exception as exc:  # a bug must cost one event, not the pipeline
                     self._processing_failed(work, message, position, exc, now,
-                                            encode_event(event), event.run_id)
+                                            _event_json(event), event.run_id)
         return work
 
     @staticmethod
@@ -369,10 +396,11 @@ class Pipeline:
             log.error("processing failed (%d so far) " + where, failures, *args, exc_info=exc)
 
     def _state_for(
-        self, touched: dict[str, RunState], event: EventBase, partition: int, when: int
+        self, touched: dict[str, RunState], event: EventBase, partition: int, when: int,
+        kind: int,
     ) -> RunState:
         state = touched.get(event.run_id) or self.store.get(event.run_id)
-        if state is None and not isinstance(event, RunStart):
+        if state is None and kind != RUN_START:
             state = self.lookup_run(event.run_id)
         if state is None:
             state = new_state(event, partition, when)
@@ -390,47 +418,57 @@ class Pipeline:
         self.counters.events += 1
         event_ms = ms(event)
         if event_ms <= self._future_ms:
-            self.max_event_ms = max(self.max_event_ms, event_ms)
+            if event_ms > self.max_event_ms:
+                self.max_event_ms = event_ms
         else:
             self.counters.future_events += 1
-        if isinstance(event, Annotation):
-            work.rows.add(tables.ANNOTATIONS, rows.annotation_row(event, now))
+        kind = kind_of(event)
+        if kind == ANNOTATION:
+            note: Annotation = event  # type: ignore[assignment]
+            work.rows.add(tables.ANNOTATIONS, rows.annotation_row(note, now))
             return
         agent_rank = EXPLICIT
-        claim = claim_of(event)
+        # only a model carries extras, hence a claim: a struct (no extras) makes none
+        claim = None if type(event) in STRUCTS else claim_of(event)
         if claim is not None:  # an OTLP span's: the run's agent decides (see module)
             event, agent_rank, revise = attribution.attribute(
-                self._state_for(touched, event, message.partition, event_ms), event, claim)
+                self._state_for(touched, event, message.partition, event_ms, kind),
+                event, claim)
             if revise:
                 self._revise.add(event.run_id)
         priced_cost = 0.0
-        if isinstance(event, LlmCall):
+        loop = self.settings.loop
+        if kind == LLM_CALL:
+            call: LlmCall = event  # type: ignore[assignment]  # or its struct
             priced = self.prices.cost(
-                event.model, event.input_tokens, event.output_tokens,
-                event.cache_read_input_tokens, event.cache_creation_input_tokens,
-                event.cache_ttl,
+                call.model, call.input_tokens, call.output_tokens,
+                call.cache_read_input_tokens, call.cache_creation_input_tokens,
+                call.cache_ttl,
             )
             mismatch = cost_mismatch(
-                event.cost_usd, priced.cost_usd, self.settings.cost_mismatch_tolerance
+                call.cost_usd, priced.cost_usd, self.settings.cost_mismatch_tolerance
             )
             self.counters.cost_mismatches += int(mismatch)
             priced_cost = priced.cost_usd
             work.rows.add(tables.LLM_CALLS,
-                          rows.llm_call_row(event, priced, mismatch, now, agent_rank))
-        elif isinstance(event, ToolCall):
+                          rows.llm_call_row(call, priced, mismatch, now, agent_rank))
+        elif kind == TOOL_CALL:
+            tool: ToolCall = event  # type: ignore[assignment]
             work.rows.add(tables.TOOL_CALLS, rows.tool_call_row(
-                event, self.settings.near_miss_factor, now, agent_rank))
-        elif isinstance(event, Label):
-            work.rows.add(tables.LABELS, rows.label_row(event, now))
-        state = self._state_for(touched, event, message.partition, event_ms)
+                tool, self.settings.near_miss_factor, now, agent_rank))
+        elif kind == LABEL:
+            label: Label = event  # type: ignore[assignment]
+            work.rows.add(tables.LABELS, rows.label_row(label, now))
+        state = self._state_for(touched, event, message.partition, event_ms, kind)
+        if kind == TOOL_CALL:  # only a tool call reads the loop detector's settings
+            loop = self.settings.loop_for(event.task_type or state.task_type)
         was_closed = state.closed
         was_waiting = state.awaiting_run
-        if isinstance(event, Label) and state.version == 0:  # no run known: it waits
+        if kind == LABEL and state.version == 0:  # no run known: it waits
             state.awaiting_run = True
-        loop = self.settings.loop_for(event.task_type or state.task_type)
         applied = apply_event(
             state, event, priced_cost=priced_cost,
-            loop_window=loop.window, loop_repeats=loop.repeats, when=event_ms,
+            loop_window=loop.window, loop_repeats=loop.repeats, when=event_ms, kind=kind,
         )
         if applied and state.awaiting_run:
             self.counters.labels_unmatched += 1

@@ -35,7 +35,18 @@ import uuid
 from dataclasses import dataclass, fields
 from typing import Any
 
-from loopwatch.ingest.events import EventBase, Label, LlmCall, RunEnd, RunStart, Step, ToolCall
+from loopwatch.ingest.events import (
+    EVENT_TYPES,
+    Annotation,
+    EventBase,
+    Label,
+    LlmCall,
+    RunEnd,
+    RunStart,
+    Step,
+    ToolCall,
+)
+from loopwatch.ingest.structs import MIRRORS
 
 SEEN_EVENT_IDS = 4096
 #: up to this many seen ids are kept packed in one ``bytes``
@@ -272,13 +283,63 @@ def new_state(event: EventBase, partition: int, when: int | None = None) -> RunS
                     first_ms=ms(event) if when is None else when)
 
 
+#: what the fold does with an event, by its class: a model or its msgspec mirror
+#: (:func:`loopwatch.ingest.wire.decode_message` with ``structs``) fold alike
+RUN_START, STEP, LLM_CALL, TOOL_CALL, RUN_END, LABEL, ANNOTATION = range(7)
+_KIND_OF_MODEL: dict[type, int] = {
+    RunStart: RUN_START, Step: STEP, LlmCall: LLM_CALL, ToolCall: TOOL_CALL, RunEnd: RUN_END,
+    Label: LABEL, Annotation: ANNOTATION}
+assert set(_KIND_OF_MODEL) == set(EVENT_TYPES), "a new event type needs its fold kind"
+_MODEL_OF_TAG = {model.model_fields["event_type"].default: model for model in EVENT_TYPES}
+KINDS: dict[type, int] = {
+    **_KIND_OF_MODEL,
+    **{struct: _KIND_OF_MODEL[_MODEL_OF_TAG[struct.event_type]]  # type: ignore[attr-defined]
+       for struct in MIRRORS},
+}
+
+
+def kind_of(event: EventBase) -> int:
+    """The fold kind of an event (model or struct), one dict look-up; a subclass of a
+    model (none in the code base) is found by its bases.
+
+    >>> kind_of(Step(run_id="r", agent="a", step=1)) == STEP
+    True
+    """
+    kind = KINDS.get(type(event))
+    if kind is None:
+        kind = next(KINDS[base] for base in type(event).__mro__ if base in KINDS)
+    return kind
+
+
+_intern = sys.intern
+
+
 def _take_dimensions(state: RunState, event: EventBase, authoritative: bool) -> None:
     """Copy the event's dimensions the run lacks (all of them from ``run.start``),
-    interned (see :data:`_SHARED_STRINGS`)."""
-    for name in DIMENSIONS:
-        value = getattr(event, name)
-        if value and (authoritative or not getattr(state, name)):
-            setattr(state, name, sys.intern(value))
+    interned (see :data:`_SHARED_STRINGS`). Written out field by field: a loop over
+    :data:`DIMENSIONS` with ``getattr``/``setattr`` cost twice as much per event."""
+    if authoritative:
+        for name in DIMENSIONS:
+            value = getattr(event, name)
+            if value:
+                setattr(state, name, _intern(value))
+        return
+    if not state.agent and event.agent:
+        state.agent = _intern(event.agent)
+    if not state.agent_version and event.agent_version:
+        state.agent_version = _intern(event.agent_version)
+    if not state.task_type and event.task_type:
+        state.task_type = _intern(event.task_type)
+    if not state.model and event.model:
+        state.model = _intern(event.model)
+    if not state.prompt_version and event.prompt_version:
+        state.prompt_version = _intern(event.prompt_version)
+    if not state.deployment and event.deployment:
+        state.deployment = _intern(event.deployment)
+    if not state.traffic_slice and event.traffic_slice:
+        state.traffic_slice = _intern(event.traffic_slice)
+    if not state.worker_id and event.worker_id:
+        state.worker_id = _intern(event.worker_id)
 
 
 def _detect_loop(state: RunState, action: str, window: int, repeats: int) -> None:
@@ -307,8 +368,11 @@ def apply_event(
     loop_window: int = 10,
     loop_repeats: int = 3,
     when: int | None = None,
+    kind: int | None = None,
 ) -> bool:
-    """Fold one event into the run; False when it was already applied (a redelivery).
+    """Fold one event (a model, or its struct) into the run; False when it was already
+    applied (a redelivery). ``when`` (its time, epoch ms) and ``kind``
+    (:func:`kind_of`) save the caller's second computation of them.
 
     >>> from loopwatch.ingest.events import ToolCall
     >>> s = RunState("r", 0)
@@ -318,46 +382,57 @@ def apply_event(
     """
     if not remember(state, event.event_id.bytes):
         return False
-    when = ms(event) if when is None else when
-    if state.awaiting_run and not isinstance(event, Label):
+    if when is None:
+        when = ms(event)
+    if kind is None:
+        kind = kind_of(event)
+    if state.awaiting_run and kind != LABEL:
         state.awaiting_run = False  # the run arrived: its time and dimensions are its own
         state.first_ms = when
-        state.last_ms = max(state.last_ms, when)
+        if when > state.last_ms:
+            state.last_ms = when
         for name in DIMENSIONS:
             setattr(state, name, "")
     elif state.version:
-        state.last_ms = max(state.last_ms, when)
-        state.first_ms = min(state.first_ms, when)
+        if when > state.last_ms:
+            state.last_ms = when
+        if when < state.first_ms:
+            state.first_ms = when
     else:  # the run's first event: any time, 1900 (negative ms) and 1970 (0) included
         state.last_ms = state.first_ms = when
     state.version += 1
-    _take_dimensions(state, event, authoritative=isinstance(event, RunStart))
-    if isinstance(event, RunStart):
-        state.started_ms = when
-        state.time_cap_s = event.time_cap_s
-    elif isinstance(event, Step):
-        state.steps += 1
-    elif isinstance(event, LlmCall):
+    _take_dimensions(state, event, kind == RUN_START)
+    if kind == LLM_CALL:
+        call: LlmCall = event  # type: ignore[assignment]  # or its struct: same fields
         state.llm_calls += 1
-        state.llm_errors += int(event.is_error)
-        state.input_tokens += event.input_tokens
-        state.output_tokens += event.output_tokens
-        state.cache_read_tokens += event.cache_read_input_tokens
-        state.cache_creation_tokens += event.cache_creation_input_tokens
+        state.llm_errors += call.is_error
+        state.input_tokens += call.input_tokens
+        state.output_tokens += call.output_tokens
+        state.cache_read_tokens += call.cache_read_input_tokens
+        state.cache_creation_tokens += call.cache_creation_input_tokens
         state.cost_usd += priced_cost
-        state.reported_cost_usd += event.cost_usd or 0.0
-    elif isinstance(event, ToolCall):
+        state.reported_cost_usd += call.cost_usd or 0.0
+    elif kind == TOOL_CALL:
+        tool: ToolCall = event  # type: ignore[assignment]
         state.tool_calls += 1
-        state.tool_errors += int(event.is_error)
-        _detect_loop(state, f"{event.tool}:{event.args_hash}", loop_window, loop_repeats)
-    elif isinstance(event, RunEnd):
+        state.tool_errors += tool.is_error
+        _detect_loop(state, f"{tool.tool}:{tool.args_hash}", loop_window, loop_repeats)
+    elif kind == STEP:
+        state.steps += 1
+    elif kind == RUN_START:
+        start: RunStart = event  # type: ignore[assignment]
+        state.started_ms = when
+        state.time_cap_s = start.time_cap_s
+    elif kind == RUN_END:
+        end: RunEnd = event  # type: ignore[assignment]
         state.end_ms = when
         state.abandoned_ms = None
-        state.terminal_reason = sys.intern(event.terminal_reason or "")
-        state.cap = sys.intern(event.cap or "")
-    elif isinstance(event, Label):
-        state.verdict = sys.intern(event.verdict)
-        state.label_source = sys.intern(event.label_source)
+        state.terminal_reason = _intern(end.terminal_reason or "")
+        state.cap = _intern(end.cap or "")
+    elif kind == LABEL:
+        label: Label = event  # type: ignore[assignment]
+        state.verdict = _intern(label.verdict)
+        state.label_source = _intern(label.label_source)
     return True
 
 

@@ -44,6 +44,10 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationSc
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1 import trace_pb2
 
+from loopwatch.bench.pipeline import BASE_ENV, THROUGHPUT_ENV, cpu_seconds, wait_group_stable
+from loopwatch.core.config import load_settings
+from loopwatch.core.embedded.broker import EmbeddedBroker
+from loopwatch.core.topics import ensure_topics
 from loopwatch.upprocess import UpProcess
 
 TRACES = 2000
@@ -52,7 +56,7 @@ CHATS = TOOLS = 5
 SPANS_PER_TRACE = 1 + CHATS + TOOLS
 #: run.start + run.end + one llm.call per chat + one tool.call per tool span
 EVENTS_PER_TRACE = 2 + CHATS + TOOLS
-POLL_S = 0.05
+POLL_S = 0.1
 TOPIC, GROUP = "bench.otlp", "loopwatch-bench-otlp"
 #: the ``up`` child's environment beside the broker's (its own topic and group)
 ENV = {"LOOPWATCH_EVENTS_TOPIC": TOPIC, "LOOPWATCH_CONSUMER_GROUP": GROUP}
@@ -105,6 +109,11 @@ def trace_spans(rng: random.Random, start_ns: int, agent: str,
     return spans
 
 
+def burst_worker(seed: int) -> str:
+    """The ``service.instance.id`` of the burst of ``seed``: how its rows are found."""
+    return f"otlp-burst-{seed}"
+
+
 def build_burst(traces: int = TRACES, seed: int = 7, per_request: int = SPANS_PER_REQUEST,
                 content: bool = False) -> list[bytes]:
     """The burst as serialized protobuf bodies of ``per_request`` spans (the last one
@@ -112,7 +121,7 @@ def build_burst(traces: int = TRACES, seed: int = 7, per_request: int = SPANS_PE
     rng = random.Random(seed)
     now_ns = time.time_ns()
     resource = Resource(attributes=[_kv("service.name", "bench-fleet"),
-                                    _kv("service.instance.id", f"worker-{seed}")])
+                                    _kv("service.instance.id", burst_worker(seed))])
     scope = InstrumentationScope(name="opentelemetry.instrumentation.openai_v2")
     spans: list[trace_pb2.Span] = []
     for index in range(traces):
@@ -179,37 +188,46 @@ def post_all(url: str, bodies: list[bytes], connections: int) -> dict[str, Any]:
     return {"started": started, "accepted": max(done), "codes": codes}
 
 
-def stored(up: UpProcess) -> tuple[int, int]:
-    """(event rows, closed runs) in the store: a run counts once a row of it says it
-    closed (its ``run.end`` folded and stored)."""
+def stored(up: UpProcess, worker: str) -> tuple[int, int]:
+    """(distinct events, closed runs) of one burst (its resource's
+    ``service.instance.id``, stored as ``worker_id``): distinct, as a run whose agent
+    claim improves has its earlier rows written again (duplicates until merges); a run
+    counts once a row of it says it closed (its ``run.end`` folded and stored)."""
     row = up.reader.query(
-        "SELECT (SELECT count() FROM events), "
-        "(SELECT uniqExact(run_id) FROM runs WHERE closed_ts IS NOT NULL)").rows[0]
+        "SELECT (SELECT uniqExact(event_id) FROM events WHERE worker_id = {w:String}), "
+        "(SELECT uniqExact(run_id) FROM runs WHERE worker_id = {w:String} "
+        "AND closed_ts IS NOT NULL)", {"w": worker}).rows[0]
     return int(row[0]), int(row[1])
 
 
-def burst(up: UpProcess, bodies: list[bytes], traces: int, connections: int = 4,
-          timeout_s: float = 300) -> dict[str, Any]:
-    """POST ``bodies`` (``traces`` traces) to ``up``'s receiver; wait until every event
-    and run is stored; the run's figures, and the exact distinct counts stored."""
+def burst(up: UpProcess, bodies: list[bytes], traces: int, worker: str,
+          connections: int = 4, timeout_s: float = 300) -> dict[str, Any]:
+    """POST ``bodies`` (``traces`` traces of resource ``worker``) to ``up``'s receiver;
+    wait until every event and run is stored; the run's figures, and the exact
+    distinct counts stored."""
     spans = traces * SPANS_PER_TRACE
-    events_before, runs_before = stored(up)
-    want = (events_before + traces * EVENTS_PER_TRACE, runs_before + traces)
+    want = (traces * EVENTS_PER_TRACE, traces)
+    pid = up.process.pid if up.process is not None else 0
+    cpu_before = cpu_seconds(pid)[1]
     posted = post_all(up.info["otlp_url"], bodies, connections)
     deadline = time.monotonic() + timeout_s
+    timeline: list[tuple[float, int, int]] = []
     while True:
         now = time.perf_counter()
-        seen = stored(up)
+        seen = stored(up, worker)
+        timeline.append((round(now - posted["started"], 3), *seen))
         if seen[0] >= want[0] and seen[1] >= want[1]:
             break
         if time.monotonic() > deadline:
             raise TimeoutError(f"stored {seen} of {want} (events, runs) in {timeout_s:.0f}s")
         time.sleep(POLL_S)
+    up_cpu_us = (cpu_seconds(pid)[1] - cpu_before) * 1e6 / spans
     elapsed, accept_s = now - posted["started"], posted["accepted"] - posted["started"]
     return {"spans": spans, "requests": len(bodies), "seconds": elapsed,
             "otlp_spans_per_s": spans / elapsed, "accept_spans_per_s": spans / accept_s,
             "lag_s": now - posted["accepted"], "codes": posted["codes"],
-            "stored": (seen[0] - events_before, seen[1] - runs_before)}
+            "stored": seen,
+            "accept_s": accept_s, "up_cpu_us_per_span": up_cpu_us, "timeline": timeline}
 
 
 def measure(up: UpProcess, runs: int = 3, traces: int = TRACES, connections: int = 4,
@@ -219,13 +237,31 @@ def measure(up: UpProcess, runs: int = 3, traces: int = TRACES, connections: int
     for seed in range(1, runs + 1):
         bodies = build_burst(traces, seed=seed, content=content)
         progress(f"OTLP burst {seed}/{runs}: {traces * SPANS_PER_TRACE} spans")
-        results.append(burst(up, bodies, traces, connections))
+        results.append(burst(up, bodies, traces, burst_worker(seed), connections))
     return {
         "otlp_spans_per_s": statistics.median(r["otlp_spans_per_s"] for r in results),
         "otlp_accept_spans_per_s": statistics.median(r["accept_spans_per_s"] for r in results),
         "otlp_lag_s": statistics.median(r["lag_s"] for r in results),
+        "otlp_up_cpu_us_per_span": statistics.median(r["up_cpu_us_per_span"] for r in results),
+        "otlp_stored": [list(r["stored"]) for r in results],
         "otlp_runs": results,
     }
+
+
+def bench_figures(bootstrap: str, data_dir: Path, env: dict[str, str], traces: int,
+                  progress: Progress, note: Progress, runs: int = 3) -> dict[str, Any]:
+    """``loopwatch bench``'s OTLP figures (:func:`measure`'s medians and stored counts;
+    each run's figures go to a note): its own ``up`` (fresh store in ``data_dir``, own
+    topic and group on ``bootstrap``)."""
+    settings = load_settings().model_copy(update={"events_topic": TOPIC})
+    ensure_topics(bootstrap, settings)
+    progress("starting loopwatch up for the OTLP burst")
+    with UpProcess(data_dir, {**env, **THROUGHPUT_ENV, **ENV}) as up:
+        wait_group_stable(bootstrap, GROUP, 1)
+        figures = measure(up, runs, traces, progress=progress)
+    note(note_for(figures))
+    figures.pop("otlp_runs")
+    return figures
 
 
 def note_for(figures: dict[str, Any]) -> str:
@@ -236,11 +272,6 @@ def note_for(figures: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    from loopwatch.bench.pipeline import BASE_ENV, THROUGHPUT_ENV, wait_group_stable
-    from loopwatch.core.config import load_settings
-    from loopwatch.core.embedded.broker import EmbeddedBroker
-    from loopwatch.core.topics import ensure_topics
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--traces", type=int, default=TRACES)
     parser.add_argument("--runs", type=int, default=3)

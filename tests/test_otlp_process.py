@@ -70,9 +70,10 @@ def test_up_receives_otlp_in_a_child_process_and_stores_every_span(
     assert [post(pipeline.info["otlp_url"], body) for body in bodies] == [200] * 4
     wait_for(lambda: stored(pipeline, burst_worker(seed)) == (EVENTS_PER_TRACE * traces,
                                                               traces), timeout_s=120)
+    runs = "run_id IN (SELECT run_id FROM runs WHERE worker_id = {w:String})"
     llm, tools = pipeline.reader.query(
-        "SELECT (SELECT uniqExact(event_id) FROM llm_calls WHERE worker_id = {w:String}), "
-        "(SELECT uniqExact(event_id) FROM tool_calls WHERE worker_id = {w:String})",
+        f"SELECT (SELECT uniqExact(event_id) FROM llm_calls WHERE {runs}), "
+        f"(SELECT uniqExact(event_id) FROM tool_calls WHERE {runs})",
         {"w": burst_worker(seed)}).rows[0]
     assert (llm, tools) == (5 * traces, 5 * traces)
 
@@ -111,3 +112,21 @@ def test_a_taken_port_is_refused_in_one_line(tmp_path: Path) -> None:
             ReceiverProcess(Settings(data_dir=tmp_path), "127.0.0.1:1",
                             OtlpSettings(port=port, grpc_port=None))
     assert not [pid for pid in receiver_children(os.getpid()) if alive(pid)]
+
+
+def test_the_receiver_process_ends_when_its_parent_s_pipe_does(tmp_path: Path) -> None:
+    """An ``up`` that restarts itself (``execv``) keeps its pid, so neither the parent-pid
+    check nor the death signal fires: the end of the config pipe, whose parent end is
+    close-on-exec, is what ends the child. Closing it here stands in for the exec."""
+    receiver = ReceiverProcess(Settings(data_dir=tmp_path), "127.0.0.1:1",
+                               OtlpSettings(port=0, grpc_port=None))
+    try:
+        pipe = receiver._child.stdin
+        assert pipe is not None and not os.get_inheritable(pipe.fileno())
+        assert receiver_children(os.getpid()) == [receiver.pid]
+        assert post(receiver.url, b"\xff") == 400  # it serves: garbage is refused
+        pipe.close()
+        wait_for(lambda: receiver._child.poll() is not None, timeout_s=60)
+        assert receiver._child.returncode == 0
+    finally:
+        receiver.stop()

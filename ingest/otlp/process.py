@@ -12,8 +12,10 @@ What does not change: the child runs the same :class:`OtlpReceiver` (same limits
 same answer only after the broker acknowledged every message), from the parent's own
 :class:`Settings` and :class:`OtlpSettings` (pickled over its stdin, so a token never
 shows in a process listing). It ends when told (SIGTERM: the receiver stops and its
-producer flushes) and when its parent is gone (``PR_SET_PDEATHSIG``, and a check of the
-parent pid), so a crashed ``up`` leaves no receiver holding the port.
+producer flushes) and when its parent is gone: the end of that pipe (the parent's end
+is close-on-exec, so an ``up`` that restarts itself with ``execv`` counts as gone),
+``PR_SET_PDEATHSIG`` and a check of the parent pid; so a crashed or restarted ``up``
+leaves no receiver holding the port.
 """
 
 from __future__ import annotations
@@ -54,8 +56,11 @@ class ReceiverProcess:
             [sys.executable, "-m", "loopwatch.ingest.otlp.process"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None)
         assert self._child.stdin is not None and self._child.stdout is not None
-        self._child.stdin.write(pickle.dumps((settings, bootstrap, limits)))
-        self._child.stdin.close()
+        config = pickle.dumps((settings, bootstrap, limits))
+        # the pipe stays open: its end is how the child learns this process is gone
+        # (exit, SIGKILL, or the exec of an `up` restarting itself: it is close-on-exec)
+        self._child.stdin.write(len(config).to_bytes(8, "big") + config)
+        self._child.stdin.flush()
         ready, _, _ = select.select([self._child.stdout], [], [], START_TIMEOUT_S)
         line = self._child.stdout.readline() if ready else b""
         answer: dict[str, Any] = orjson.loads(line) if line.strip() else {}
@@ -70,6 +75,9 @@ class ReceiverProcess:
         return self._child.pid
 
     def stop(self, timeout_s: float = 15.0) -> None:
+        with contextlib.suppress(OSError):
+            assert self._child.stdin is not None
+            self._child.stdin.close()
         if self._child.poll() is None:
             self._child.terminate()
             try:
@@ -99,8 +107,15 @@ def main() -> None:
     os.dup2(2, 1)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s otlp-receiver %(message)s")
-    settings, bootstrap, limits = pickle.loads(sys.stdin.buffer.read())
+    size = int.from_bytes(sys.stdin.buffer.read(8), "big")
+    settings, bootstrap, limits = pickle.loads(sys.stdin.buffer.read(size))
     stop = threading.Event()
+
+    def until_parent_gone() -> None:
+        sys.stdin.buffer.read()  # returns at end of file: the parent closed or is gone
+        stop.set()
+
+    threading.Thread(target=until_parent_gone, name="parent-watch", daemon=True).start()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C: it stops us
     try:

@@ -62,6 +62,8 @@ SPANS_PER_TRACE = 1 + CHATS + TOOLS
 #: run.start + run.end + one llm.call per chat + one tool.call per tool span
 EVENTS_PER_TRACE = 2 + CHATS + TOOLS
 POLL_S = 0.1
+#: dropped connections one client thread reconnects after before it gives up
+MAX_RECONNECTS = 20
 TOPIC, GROUP = "bench.otlp", "loopwatch-bench-otlp"
 #: the ``up`` child's environment beside the broker's (its own topic and group)
 ENV = {"LOOPWATCH_EVENTS_TOPIC": TOPIC, "LOOPWATCH_CONSUMER_GROUP": GROUP}
@@ -143,18 +145,21 @@ def build_burst(traces: int = TRACES, seed: int = 7, per_request: int = SPANS_PE
 
 
 def post_all(url: str, bodies: list[bytes], connections: int) -> dict[str, Any]:
-    """POST every body (retrying 429/503 as an exporter does) over ``connections``
-    keep-alive connections; the perf_counter times of the first POST and the last 200,
-    and the status codes seen."""
+    """POST every body (retrying 429/503 and dropped connections as an exporter does)
+    over ``connections`` keep-alive connections; the perf_counter times of the first
+    POST and the last 200, and the status codes seen (0: a dropped connection)."""
     parts = urlsplit(url)
     queue = list(reversed(bodies))
     lock = threading.Lock()
     codes: dict[int, int] = {}
     done: list[float] = []
 
-    def worker() -> None:
-        conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port,
+    def connect() -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port,
                                           timeout=120)
+
+    def worker() -> None:
+        conn, dropped = connect(), 0
         try:
             while True:
                 with lock:
@@ -162,10 +167,22 @@ def post_all(url: str, bodies: list[bytes], connections: int) -> dict[str, Any]:
                         return
                     body = queue.pop()
                 while True:
-                    conn.request("POST", "/v1/traces", body,
-                                 {"Content-Type": "application/x-protobuf"})
-                    response = conn.getresponse()
-                    response.read()
+                    try:
+                        conn.request("POST", "/v1/traces", body,
+                                     {"Content-Type": "application/x-protobuf"})
+                        response = conn.getresponse()
+                        response.read()
+                    except (ConnectionError, http.client.HTTPException):
+                        # a dropped keep-alive connection: reconnect and resend, as
+                        # exporters do (event ids make a resent body harmless)
+                        dropped += 1
+                        if dropped > MAX_RECONNECTS:
+                            raise
+                        conn.close()
+                        conn = connect()
+                        with lock:
+                            codes[0] = codes.get(0, 0) + 1
+                        continue
                     with lock:
                         codes[response.status] = codes.get(response.status, 0) + 1
                     if response.status == 200:
@@ -176,8 +193,7 @@ def post_all(url: str, bodies: list[bytes], connections: int) -> dict[str, Any]:
                         raise RuntimeError(f"OTLP receiver answered {response.status}")
                     if response.getheader("Connection") == "close":
                         conn.close()
-                        conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1",
-                                                          parts.port, timeout=120)
+                        conn = connect()
                     time.sleep(0.02)
         finally:
             conn.close()

@@ -1,12 +1,11 @@
 """The OTLP receivers of ``loopwatch up`` in a child process of their own.
 
 Why: decoding, mapping and publishing a span costs ~55-60 µs of CPU, almost all of it
-Python holding the GIL. Inside ``up`` that GIL is the processors' too: four receiver
-threads and the faust event loop took turns, the up process spent ~60 µs per span
-more than the receiver and the processors apart (thread hand-offs), and the
-processors stored almost nothing while a burst was being accepted. A child has its
-own interpreter, so on two cores receiving and processing overlap (measured in
-docs/performance.md, "OTLP ingest").
+Python holding the GIL. Inside ``up`` that GIL is the processors' too: the receiver's
+threads and the faust event loop took turns, and the processors stored almost nothing
+while a burst was being accepted. A child has its own interpreter, so on two cores
+receiving and processing overlap: +14 % persisted spans per second (median, 24 bursts
+each way) and ~5-10 % less CPU per span (docs/performance.md, "OTLP ingest").
 
 What does not change: the child runs the same :class:`OtlpReceiver` (same limits,
 same answer only after the broker acknowledged every message), from the parent's own

@@ -36,6 +36,8 @@ TARGETS = (
     Target("memory per open run", "memory_per_open_run_bytes", 1024, False, " B"),
     Target("stored bytes per event", "stored_bytes_per_event", 60, False, " B"),
     Target("slowest investigation query", "slowest_query_s", 1.0, False, " s"),
+    Target("OTLP ingest, first POST to last row stored", "otlp_spans_per_s", 20_000, True,
+           " spans/s"),
 )
 
 
@@ -56,12 +58,13 @@ def against_targets(result: dict[str, Any]) -> list[tuple[Target, float | None, 
     >>> rows = against_targets({"ratio": 0.1, "workers": {"1": 10.0, "2": 15.0},
     ...     "emitter_events_per_s": 60_000.0, "alert_latency_p95_s": 2.5,
     ...     "memory_per_open_run_bytes": 2048.0, "stored_bytes_per_event": None,
-    ...     "query_latency_s": {"a": 0.02, "b": 0.5}})
+    ...     "query_latency_s": {"a": 0.02, "b": 0.5}, "otlp_spans_per_s": 25_000.0})
     >>> [(t.figure, value, None if score is None else round(score, 2)) for t, value, score in rows]
     ... # doctest: +NORMALIZE_WHITESPACE
     [('ratio', 0.1, 0.3), ('worker_scaling', 1.5, 1.5), ('emitter_events_per_s', 60000.0, 1.2),
      ('alert_latency_p95_s', 2.5, 2.0), ('memory_per_open_run_bytes', 2048.0, 0.5),
-     ('stored_bytes_per_event', None, None), ('slowest_query_s', 0.5, 2.0)]
+     ('stored_bytes_per_event', None, None), ('slowest_query_s', 0.5, 2.0),
+     ('otlp_spans_per_s', 25000.0, 1.25)]
     """
     rows: list[tuple[Target, float | None, float | None]] = []
     for target in TARGETS:
@@ -81,6 +84,9 @@ def bench(
     query_events: Annotated[int, typer.Option(
         help="synthetic events bulk-loaded into the store before the query latencies",
         callback=positive)] = 200_000,
+    otlp_traces: Annotated[int, typer.Option(
+        help="traces per OTLP burst (11 GenAI spans each, 3 bursts)",
+        callback=positive)] = 2000,
     json_output: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
     """Measure emitter, raw consumer, processors, storage, query and alert latency."""
@@ -96,7 +102,8 @@ def bench(
         def note(message: str) -> None:
             err.print(f"[dim]{message}[/dim]")
 
-        result = run_bench(events, workers, query_events, progress, note=note)
+        result = run_bench(events, workers, query_events, progress, note=note,
+                           otlp_traces=otlp_traces)
     if json_output:
         sys.stdout.write(orjson.dumps(result).decode() + "\n")
         return
@@ -143,6 +150,12 @@ def print_result(result: dict[str, Any]) -> None:
           for name, seconds in result["query_latency_s"].items()),
         *((label, _fmt((result["cpu_budget"] or {}).get(key), " µs/ev"))
           for label, key in BUDGET_ROWS),
+        ("OTLP burst, first POST to last row stored (median of 3)",
+         _fmt(result["otlp_spans_per_s"], " spans/s")),
+        ("OTLP burst, HTTP accepted (same runs)",
+         _fmt(result["otlp_accept_spans_per_s"], " spans/s")),
+        ("OTLP burst, last 200 to last row stored", _fmt(result["otlp_lag_s"], " s")),
+        ("OTLP burst, up CPU per span", _fmt(result["otlp_up_cpu_us_per_span"], " µs")),
     ]
     for name, value in rows:
         table.add_row(name, value)

@@ -107,7 +107,9 @@ KEYS = ("events", "pipeline_events_per_s", "raw_consume_events_per_s", "ratio",
         "emitter_events_per_s", "emitter_baseline_events_per_s", "emitter_spool_ratio",
         "alert_latency_p50_s", "alert_latency_p95_s",
         "processor_peak_rss_mb", "memory_per_open_run_bytes", "stored_bytes_per_event",
-        "query_latency_s", "workers", "machine", "cpu_budget", "raw_consume_bracket")
+        "query_latency_s", "workers", "machine", "cpu_budget", "raw_consume_bracket",
+        "otlp_spans_per_s", "otlp_accept_spans_per_s", "otlp_lag_s", "otlp_up_cpu_us_per_span",
+        "otlp_stored")
 POLL_S = 0.25
 #: batches of new open runs for the memory figure (the first pays one-time allocations)
 MEMORY_ROUNDS = 5
@@ -799,9 +801,13 @@ def _percentile(values: list[float], q: float) -> float:
 
 def run_bench(events: int, workers: int, query_events: int,
               progress: Progress = lambda _message: None,
-              note: Progress | None = None, alert_samples: int = 5) -> dict[str, Any]:
+              note: Progress | None = None, alert_samples: int = 5,
+              otlp_traces: int = 2000) -> dict[str, Any]:
     """Run every measurement; ``progress`` gets status lines, ``note`` the caveats
-    (why a figure is null, what a figure includes)."""
+    (why a figure is null, what a figure includes); ``otlp_traces`` traces per OTLP
+    burst (:mod:`loopwatch.bench.otlp_burst`)."""
+    from loopwatch.bench import otlp_burst  # it imports this module's helpers
+
     note = note or progress
     result: dict[str, Any] = dict.fromkeys(KEYS)
     result["query_latency_s"], result["workers"] = {}, {"1": None, "2": None}
@@ -959,4 +965,8 @@ def run_bench(events: int, workers: int, query_events: int,
                      + ", ".join(f"{value:.2f}" for value in latencies))
             else:
                 note("alert latency is null: no stuck_run alert fired within 30 s")
+
+            # -- OTLP ingest end to end: its own up, topic and group
+            result.update(otlp_burst.bench_figures(bootstrap, root / "otlp", env, otlp_traces,
+                                                   progress, note))
     return result

@@ -32,6 +32,7 @@ from loopwatch.core.embedded.lifecycle import DataDirBroker
 from loopwatch.core.masking import safe_url
 from loopwatch.core.topics import LagProbe, ensure_topics
 from loopwatch.detectors.service import start_detectors
+from loopwatch.ingest.otlp.process import ReceiverProcess
 from loopwatch.ingest.otlp.server import OtlpReceiver
 from loopwatch.ingest.otlp.settings import load_otlp_settings
 from loopwatch.ingest.privatefs import PRIVATE_UMASK, private_dir
@@ -356,11 +357,15 @@ def _sample_gauges(settings: Settings, bootstrap: str, writer: Any,
     threading.Thread(target=loop, name="gauges", daemon=True).start()
 
 
-def _start_otlp(settings: Settings, bootstrap: str, port: int | None) -> OtlpReceiver | None:
+def _start_otlp(settings: Settings, bootstrap: str,
+                port: int | None) -> OtlpReceiver | ReceiverProcess | None:
     """The OTLP/HTTP receiver and, unless disabled, OTLP/gRPC beside it on the same
-    export path; a taken port is logged and ``up`` runs without that receiver."""
+    export path, in a child process unless ``LOOPWATCH_OTLP_PROCESS=false``; a taken
+    port is logged and ``up`` runs without that receiver."""
     limits = load_otlp_settings(port=port)
     try:
+        if limits.process:
+            return ReceiverProcess(settings, bootstrap, limits)
         receiver = OtlpReceiver(settings, bootstrap, limits.host, limits.port, limits.token,
                                 limits=limits)
     except OSError as exc:
@@ -486,7 +491,7 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
     broker: DataDirBroker | None = None
     watch: BrokerWatch | None = None
     service: StoreService | None = None
-    receiver: OtlpReceiver | None = None
+    receiver: OtlpReceiver | ReceiverProcess | None = None
     detectors_stop = threading.Event()
     try:
         if settings.kafka_bootstrap:

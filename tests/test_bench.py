@@ -18,7 +18,8 @@ from loopwatch.bench.pipeline import KEYS
 FLOATS = ("pipeline_events_per_s", "raw_consume_events_per_s", "ratio", "emitter_events_per_s",
           "emitter_baseline_events_per_s", "emitter_spool_ratio",
           "alert_latency_p50_s", "alert_latency_p95_s", "processor_peak_rss_mb",
-          "memory_per_open_run_bytes", "stored_bytes_per_event")
+          "memory_per_open_run_bytes", "stored_bytes_per_event", "otlp_spans_per_s",
+          "otlp_accept_spans_per_s", "otlp_lag_s", "otlp_up_cpu_us_per_span")
 
 
 @pytest.mark.stack  # starts its own brokers, `loopwatch up`-like processors and workers
@@ -30,10 +31,10 @@ def test_bench_smoke() -> None:
     def main() -> None:
         """A fresh app with only ``bench`` (the lead wires it into the real CLI)."""
 
-    events = 3000
+    events, traces = 3000, 40
     result = CliRunner().invoke(
         app, ["bench", "--events", str(events), "--workers", "2", "--query-events", "2000",
-              "--json"])
+              "--otlp-traces", str(traces), "--json"])
     assert result.exit_code == 0, result.output
     figures = orjson.loads(result.stdout.strip().splitlines()[-1])
     assert list(figures) == list(KEYS)
@@ -61,6 +62,11 @@ def test_bench_smoke() -> None:
     assert budget["left_for_processors_us"] == (
         budget["budget_us"] - budget["store_us"] - budget["broker_us"])
     assert budget["store_us"] > 0 and budget["processors_us"] > 0
+    # three OTLP bursts of `traces` traces, 11 spans each: every run's 12 events
+    # (run.start, 5 llm.call, 5 tool.call, run.end) stored once, every run closed
+    assert figures["otlp_stored"] == [[12 * traces, traces]] * 3
+    assert figures["otlp_spans_per_s"] > 0 and figures["otlp_accept_spans_per_s"] > 0
+    assert figures["otlp_lag_s"] >= 0 and figures["otlp_up_cpu_us_per_span"] > 0
 
 
 def test_fold_bench_smoke_stores_every_event_once() -> None:
@@ -78,3 +84,27 @@ def test_fold_bench_smoke_stores_every_event_once() -> None:
     assert figures["fold_us_per_event"] > 0
     assert figures["insert_calling_thread_us_per_event"] > 0
     assert figures["threads"].startswith("CPU per event by thread: main thread")
+
+
+def test_otlp_burst_is_the_issue_s_span_mix() -> None:
+    """The burst is what issue 27 asks for: per trace one invoke_agent root after its 5
+    chat and 5 execute_tool children, in protobuf bodies of at most 512 spans; the
+    receiver's own decode and mapping make 12 events of each trace, none dead-lettered."""
+    from loopwatch.bench.otlp_burst import build_burst
+    from loopwatch.ingest.otlp.decode import decode_protobuf
+    from loopwatch.ingest.otlp.mapping import map_spans
+
+    bodies = build_burst(100, seed=3)
+    decoded = [decode_protobuf(body) for body in bodies]
+    assert [len(d.spans) for d in decoded] == [512, 512, 76]
+    spans = [span for d in decoded for span in d.spans]
+    assert len({span.trace_id for span in spans}) == 100
+    operations = [span.attributes["gen_ai.operation.name"] for span in spans[:11]]
+    assert operations == ["chat", "execute_tool"] * 5 + ["invoke_agent"]
+    kinds: dict[str, int] = {}
+    for d in decoded:
+        batch = map_spans(d.spans, d.bad)
+        assert batch.unmapped == [] and batch.ignored == 0
+        for event in batch.events:
+            kinds[event.event_type] = kinds.get(event.event_type, 0) + 1
+    assert kinds == {"run.start": 100, "llm.call": 500, "tool.call": 500, "run.end": 100}

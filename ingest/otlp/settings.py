@@ -45,6 +45,11 @@ class OtlpSettings(BaseSettings):
         "this long and closed body_timeout_s + publish_timeout_s later, so a client that "
         "never finishes its message holds its slot no longer than that")
 
+    process: bool = Field(
+        True, description="`loopwatch up` runs the receivers in a child process of their "
+        "own, so decoding spans does not take the processors' GIL (docs/performance.md); "
+        "false = in the up process, as threads")
+
     @field_validator("grpc_port", mode="before")
     @classmethod
     def _off(cls, value: object) -> object:

@@ -1,0 +1,143 @@
+"""The OTLP receivers of ``loopwatch up`` in a child process of their own.
+
+Why: decoding, mapping and publishing a span costs ~55-60 µs of CPU, almost all of it
+Python holding the GIL. Inside ``up`` that GIL is the processors' too: the receiver's
+threads and the faust event loop took turns, and the processors stored almost nothing
+while a burst was being accepted. A child has its own interpreter, so on two cores
+receiving and processing overlap: +14 % persisted spans per second (median, 24 bursts
+each way) and ~5-10 % less CPU per span (docs/performance.md, "OTLP ingest").
+
+What does not change: the child runs the same :class:`OtlpReceiver` (same limits,
+same answer only after the broker acknowledged every message), from the parent's own
+:class:`Settings` and :class:`OtlpSettings` (pickled over its stdin, so a token never
+shows in a process listing). It ends when told (SIGTERM: the receiver stops and its
+producer flushes) and when its parent is gone: the end of that pipe (the parent's end
+is close-on-exec, so an ``up`` that restarts itself with ``execv`` counts as gone),
+``PR_SET_PDEATHSIG`` and a check of the parent pid; so a crashed or restarted ``up``
+leaves no receiver holding the port.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import gc
+import logging
+import os
+import pickle
+import select
+import signal
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import orjson
+
+from loopwatch.core.config import Settings
+from loopwatch.ingest.otlp.settings import OtlpSettings
+
+log = logging.getLogger(__name__)
+#: how long the parent waits for the child's address line (imports take ~1-3 s)
+START_TIMEOUT_S = 60.0
+#: how often the child checks that its parent is still there
+PARENT_CHECK_S = 0.5
+
+
+class ReceiverProcess:
+    """:class:`OtlpReceiver` in a child: ``url``, ``grpc_address`` and ``stop()`` as the
+    in-process receiver has them. A taken port raises :class:`OSError` here, as the
+    in-process constructor does."""
+
+    def __init__(self, settings: Settings, bootstrap: str, limits: OtlpSettings) -> None:
+        self._child = subprocess.Popen(
+            [sys.executable, "-m", "loopwatch.ingest.otlp.process"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None)
+        assert self._child.stdin is not None and self._child.stdout is not None
+        config = pickle.dumps((settings, bootstrap, limits))
+        # the pipe stays open: its end is how the child learns this process is gone
+        # (exit, SIGKILL, or the exec of an `up` restarting itself: it is close-on-exec)
+        self._child.stdin.write(len(config).to_bytes(8, "big") + config)
+        self._child.stdin.flush()
+        ready, _, _ = select.select([self._child.stdout], [], [], START_TIMEOUT_S)
+        line = self._child.stdout.readline() if ready else b""
+        answer: dict[str, Any] = orjson.loads(line) if line.strip() else {}
+        if "url" not in answer:
+            self.stop()
+            raise OSError(answer.get("error") or "the OTLP receiver process did not start")
+        self.url: str = answer["url"]
+        self.grpc_address: str | None = answer.get("grpc")
+
+    @property
+    def pid(self) -> int:
+        return self._child.pid
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        with contextlib.suppress(OSError):
+            assert self._child.stdin is not None
+            self._child.stdin.close()
+        if self._child.poll() is None:
+            self._child.terminate()
+            try:
+                self._child.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._child.kill()
+                self._child.wait()
+        if self._child.stdout is not None:
+            self._child.stdout.close()
+
+
+def _die_with_parent() -> None:
+    """SIGTERM this process when its parent ends (Linux); elsewhere the pid check does."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def main() -> None:
+    """The child: read the parent's settings, start the receivers, print their address
+    as one JSON line, serve until SIGTERM or the parent is gone."""
+    from loopwatch.ingest.otlp.server import OtlpReceiver  # the child's imports only
+
+    _die_with_parent()
+    parent = os.getppid()
+    answer = os.fdopen(os.dup(1), "wb")  # the address line; anything printed goes to stderr
+    os.dup2(2, 1)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s otlp-receiver %(message)s")
+    size = int.from_bytes(sys.stdin.buffer.read(8), "big")
+    settings, bootstrap, limits = pickle.loads(sys.stdin.buffer.read(size))
+    stop = threading.Event()
+
+    def until_parent_gone() -> None:
+        sys.stdin.buffer.read()  # returns at end of file: the parent closed or is gone
+        stop.set()
+
+    threading.Thread(target=until_parent_gone, name="parent-watch", daemon=True).start()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C: it stops us
+    try:
+        receiver = OtlpReceiver(settings, bootstrap, limits.host, limits.port, limits.token,
+                                limits=limits)
+    except OSError as exc:
+        answer.write(orjson.dumps({"error": str(exc)}) + b"\n")
+        answer.close()
+        return
+    receiver.start()
+    if limits.grpc_port is not None:
+        receiver.serve_grpc(limits.grpc_port)
+    # Spans allocate a few containers each that reference counting frees; the default
+    # collector thresholds made the cyclic GC ~1/3 of the mapping's CPU.
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
+    answer.write(orjson.dumps({"url": receiver.url, "grpc": receiver.grpc_address}) + b"\n")
+    answer.close()
+    while not stop.wait(PARENT_CHECK_S):
+        if os.getppid() != parent:
+            break
+    receiver.stop()
+
+
+if __name__ == "__main__":
+    main()

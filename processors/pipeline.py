@@ -42,7 +42,7 @@ from typing import Protocol
 
 from loopwatch.core.config import Settings
 from loopwatch.ingest.attribution import EXPLICIT, claim_of
-from loopwatch.ingest.events import Annotation, EventBase, Label, LlmCall, RunStart, ToolCall
+from loopwatch.ingest.events import Annotation, EventBase, Label, LlmCall, RunStart
 from loopwatch.ingest.wire import DeadLetter, Decoded, decode_message, encode_event
 from loopwatch.processors import attribution, rows
 from loopwatch.processors.deadletter import DeadLetterRecord, bounded, payload_limit
@@ -404,6 +404,8 @@ class Pipeline:
             if revise:
                 self._revise.add(event.run_id)
         priced_cost = 0.0
+        priced = None
+        mismatch = False
         if isinstance(event, LlmCall):
             priced = self.prices.cost(
                 event.model, event.input_tokens, event.output_tokens,
@@ -415,13 +417,11 @@ class Pipeline:
             )
             self.counters.cost_mismatches += int(mismatch)
             priced_cost = priced.cost_usd
-            work.rows.add(tables.LLM_CALLS,
-                          rows.llm_call_row(event, priced, mismatch, now, agent_rank))
-        elif isinstance(event, ToolCall):
-            work.rows.add(tables.TOOL_CALLS, rows.tool_call_row(
-                event, self.settings.near_miss_factor, now, agent_rank))
-        elif isinstance(event, Label):
-            work.rows.add(tables.LABELS, rows.label_row(event, now))
+        if rows.built_here(event):  # else the store's views write it from events_in
+            built = rows.event_row(event, priced, mismatch, self.settings.near_miss_factor,
+                                   now, agent_rank)
+            if built is not None:
+                work.rows.add(*built)
         state = self._state_for(touched, event, message.partition, event_ms)
         was_closed = state.closed
         was_waiting = state.awaiting_run

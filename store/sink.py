@@ -151,8 +151,9 @@ def refused_letter(table: str, row: dict[str, Any], exc: Exception) -> dict[str,
     error); keyed like :func:`unstorable_letter`, so a redelivery rewrites it."""
     key = ":".join([table, *(str(row.get(name, "")) for name in _ROW_IDENTITY)])
     return dead_letter_row(
-        letter_id(key), f"sink:{table}", failure_reason(f"{table} row refused by the store",
-                                                        exc),
+        letter_id(key), f"sink:{table}", failure_reason(
+            f"{table} row refused by the store ({getattr(exc, 'name', None) or 'error'})",
+            exc),
         str(row.get("run_id") or ""), encode_rows([row])[1:-1], datetime.now(UTC))
 
 
@@ -175,8 +176,12 @@ class ClickHouseSink:
     it raises, and the batch is retried whole.
     """
 
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: Client,
+                 insert_settings: dict[str, Any] | None = None) -> None:
         self._client = client
+        #: how ClickHouse reads the inserts (the bench compares others)
+        self._insert_settings = JSON_INSERT_SETTINGS if insert_settings is None \
+            else insert_settings
         self.unstorable = 0
         self.refused = 0
 
@@ -243,7 +248,7 @@ class ClickHouseSink:
             revise(self._client, orjson.loads(data))
             return
         self._client.raw_insert(table, insert_block=data, fmt="JSONEachRow",
-                                settings=JSON_INSERT_SETTINGS)
+                                settings=self._insert_settings)
 
 
 class FaultInjectingSink:

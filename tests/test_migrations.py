@@ -46,7 +46,7 @@ BASELINE_SHA256 = {
     "006_events_in.sql": "207a5e23d2e481f2f69a034dde938b1e4d8af2aa25817e02bb091bedf6006573",
 }
 NEW = ["007_ingested_at.sql", "008_minutes.sql", "009_cache_token_names.sql",
-       "010_agent_revisions.sql", "011_cache_prefix_hashes.sql"]
+       "010_agent_revisions.sql", "011_cache_prefix_hashes.sql", "012_generated_views.sql"]
 #: columns later migrations added (empty for old rows): not main's
 ADDED = {"llm_calls": ("tools_hash", "history_hash")}
 #: tables that gained ingested_at in 007 (events had it)

@@ -248,7 +248,9 @@ def _child(name: str, messages_file: Path) -> dict[str, Any]:
         result = subprocess.run(
             [sys.executable, "-m", "loopwatch.bench.store_path", "--child", name,
              "--messages", str(messages_file), "--data-dir", tmp],
-            capture_output=True, check=True, env={**os.environ})
+            capture_output=True, check=False, env={**os.environ})
+    if result.returncode:
+        raise SystemExit(f"{name} failed:\n{result.stderr.decode()[-3000:]}")
     return dict(json.loads(result.stdout.decode().strip().splitlines()[-1]))
 
 

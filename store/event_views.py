@@ -22,7 +22,8 @@ Everything here is generated, so that there is one definition of each thing:
   rendered as literals; a test checks SQL and Python agree on every price-table entry.
 
 The rendered text is versioned beside the migrations: :func:`install` records its
-sha256 in :data:`RECORD` (migration 012) and, when the text this build renders differs
+sha256 in :data:`RECORD` (a record table like the migrations' own, which it creates)
+and, when the text this build renders differs
 (a new price table, another near-miss factor, a contract change), drops and re-creates
 the views at start, before anything is written. Migration 006's own view, which split
 ``events_in`` into ``events`` alone, is dropped the first time (:data:`REPLACED`).
@@ -58,8 +59,13 @@ from loopwatch.store import tables
 CLAIM_EXTRA = RANK_EXTRA
 #: the ``Null`` table every event passes through once, parsed
 PARSED = tables.EVENTS_PARSED
-#: the record of the installed text (name -> sha256), created by migration 012
+#: the record of the installed text (name -> sha256)
 RECORD = tables.GENERATED_VIEWS
+#: the record's columns and table settings after ``ENGINE = <engine>`` (the cluster DDL
+#: creates the same table, replicated)
+RECORD_COLUMNS = ("    name          String,\n    content_hash  String,\n"
+                  "    applied_at    DateTime64(3, 'UTC')")
+RECORD_TAIL = "ORDER BY name"
 #: the record's one name
 RECORD_NAME = "event_views"
 #: the view that parses ``events_in`` into :data:`PARSED`
@@ -352,6 +358,8 @@ def render(settings: Settings, prices: PriceTable | None = None) -> Rendered:
 
 def installed_hash(client: Client) -> str | None:
     """The hash of the views' text the store records, if any."""
+    client.command(f"CREATE TABLE IF NOT EXISTS {RECORD}\n(\n{RECORD_COLUMNS}\n)\n"
+                   f"ENGINE = ReplacingMergeTree(applied_at)\n{RECORD_TAIL}")
     rows = client.query(f"SELECT argMax(content_hash, applied_at) FROM {RECORD} "
                         "WHERE name = {n:String}", parameters={"n": RECORD_NAME}).result_rows
     return str(rows[0][0]) if rows and rows[0][0] else None

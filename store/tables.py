@@ -14,7 +14,8 @@ EVENTS_IN: Final = "events_in"
 #: every event of ``events_in`` once, parsed into typed columns (a Null table the generated
 #: views create and read: loopwatch/store/event_views.py; not a migration's)
 EVENTS_PARSED: Final = "events_parsed"
-#: what generated schema a store has (migration 012): name -> the sha256 of its text
+#: what generated schema a store has: name -> the sha256 of its text (a record, like
+#: ``schema_migrations``: created by loopwatch/store/event_views.py, not a migration)
 GENERATED_VIEWS: Final = "generated_views"
 #: one row per run, its last write (labelled outcome, cost, steps)
 RUNS: Final = "runs"
@@ -37,5 +38,4 @@ CAPTURE_DECISIONS: Final = "capture_decisions"
 #: every base table above
 TABLES: Final = (EVENTS, EVENTS_IN, RUNS, LLM_CALLS, TOOL_CALLS, LABELS, ANNOTATIONS,
                  DEAD_LETTERS, ALERTS, RULE_EVALUATIONS, PIPELINE_GAUGES, CAPTURE_STAGING,
-                 CAPTURE_STAGING_BLOBS, CAPTURE_PARTS, CAPTURE_BLOBS, CAPTURE_DECISIONS,
-                 GENERATED_VIEWS)
+                 CAPTURE_STAGING_BLOBS, CAPTURE_PARTS, CAPTURE_BLOBS, CAPTURE_DECISIONS)

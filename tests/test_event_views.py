@@ -211,7 +211,7 @@ def test_a_row_the_store_refuses_in_a_large_insert_is_dead_lettered(local_store)
     no UUID and a time ClickHouse cannot read, among 600 good rows. The good rows
     are stored, each bad one becomes a dead letter naming the store's error, and a
     redelivery of the batch changes nothing."""
-    settings, client = fresh_store(local_store, "refused")
+    _settings, client = fresh_store(local_store, "refused")
     rows = _good_rows(600, "good")
     good = ToolCall(run_id="x", agent="hostile", ts=T0, tool="t").model_dump(mode="json")
     rows.insert(200, events_in_row(2, 7, datetime.now(UTC), orjson.dumps(
@@ -239,7 +239,7 @@ def test_a_row_the_store_refuses_in_a_large_insert_is_dead_lettered(local_store)
 def test_a_store_fault_is_retried_whole_not_dead_lettered(local_store):
     """A failure that is the store's (here a view's target table gone) is no refusal of
     a row: the write raises (the batch is retried) and nothing becomes a letter."""
-    settings, client = fresh_store(local_store, "fault")
+    _settings, client = fresh_store(local_store, "fault")
     client.command(f"DROP TABLE {tables.EVENTS_PARSED}")
     sink = ClickHouseSink(client)
     with pytest.raises(DatabaseError):

@@ -32,6 +32,7 @@ from loopwatch.store.schema_versions import (
     migrations,
     statements,
 )
+from loopwatch.store.tables import GENERATED_VIEWS
 
 FIXTURE = Path(__file__).parent / "fixtures" / "main_store"
 
@@ -46,7 +47,7 @@ BASELINE_SHA256 = {
     "006_events_in.sql": "207a5e23d2e481f2f69a034dde938b1e4d8af2aa25817e02bb091bedf6006573",
 }
 NEW = ["007_ingested_at.sql", "008_minutes.sql", "009_cache_token_names.sql",
-       "010_agent_revisions.sql", "011_cache_prefix_hashes.sql", "012_generated_views.sql"]
+       "010_agent_revisions.sql", "011_cache_prefix_hashes.sql"]
 #: columns later migrations added (empty for old rows): not main's
 ADDED = {"llm_calls": ("tools_hash", "history_hash")}
 #: tables that gained ingested_at in 007 (events had it)
@@ -82,8 +83,8 @@ def _load_main_store(settings: Settings) -> Client:
 def _tables(client: Client, database: str) -> list[str]:
     return [name for (name,) in client.query(
         "SELECT name FROM system.tables WHERE database = {d:String} AND "
-        "endsWith(engine, 'MergeTree') AND name != {r:String} ORDER BY name",
-        parameters={"d": database, "r": RECORD_TABLE}).result_rows]
+        "endsWith(engine, 'MergeTree') AND name NOT IN {r:Array(String)} ORDER BY name",
+        parameters={"d": database, "r": [RECORD_TABLE, GENERATED_VIEWS]}).result_rows]
 
 
 def _contents(client: Client, database: str) -> dict[str, list[tuple[Any, ...]]]:

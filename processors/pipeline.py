@@ -120,8 +120,14 @@ class Pipeline:
         prices: PriceTable | None = None,
         lookup_run: Callable[[str], RunState | None] | None = None,
         clock: Callable[[], float] = time.time,
+        python_rows: bool = False,
     ) -> None:
+        """``python_rows``: build every event's ``llm_calls`` / ``tool_calls`` /
+        ``labels`` row here, not only a claim event's (see :func:`rows.built_here`): for
+        a writer whose prices or settings are not those the store's views were rendered
+        for (``reprocess`` with a new price table), which writes no ``events_in`` rows."""
         self.settings = settings
+        self.python_rows = python_rows
         self.store = store
         self.prices = prices or PriceTable.load(settings.prices_file)
         self.lookup_run = lookup_run or (lambda run_id: None)
@@ -417,7 +423,7 @@ class Pipeline:
             )
             self.counters.cost_mismatches += int(mismatch)
             priced_cost = priced.cost_usd
-        if rows.built_here(event):  # else the store's views write it from events_in
+        if self.python_rows or rows.built_here(event):  # else the store's views do
             built = rows.event_row(event, priced, mismatch, self.settings.near_miss_factor,
                                    now, agent_rank)
             if built is not None:

@@ -287,7 +287,7 @@ def run(events: int, runs: int, seed: int, names: list[str]) -> dict[str, Any]:
 
 
 def _differences(expected: dict[str, list[Any]], found: dict[str, list[Any]]) -> list[str]:
-    out = []
+    out: list[str] = []
     for table, values in expected.items():
         if table.endswith(":columns"):
             continue

@@ -33,16 +33,19 @@ EVENT_COLUMNS = event_views.EVENT_COLUMNS
 #: optional fields whose absence the columns store as ''
 _OPTIONAL_IDS = event_views.OPTIONAL_IDS
 
-#: the table ClickHouse splits into ``events`` rows (migration 006): one row per message
+#: the table ClickHouse splits into ``events``, ``llm_calls``, ``tool_calls`` and ``labels``
+#: rows (the views of :mod:`loopwatch.store.event_views`): one row per message
 EVENTS_IN_TABLE = tables.EVENTS_IN
 
 
 def events_in_row(partition: int, offset: int, now: datetime, events_json: bytes,
                   extras: list[dict[str, str]] | None = None) -> dict[str, Any]:
-    """One message's events for ``events_in``, whose materialized view writes their
-    ``events`` rows: the column fields as columns, every other non-null field (defaults
-    written out: the timeline panel reads e.g. ``step_type``) and the extras as the
-    ``payload`` object, the extras once more as a map, and where in Kafka they came from.
+    """One message's events for ``events_in``, whose generated views write their
+    ``events`` rows (and their ``llm_calls`` / ``tool_calls`` / ``labels`` rows, but
+    for :func:`built_here` events): the column fields as columns, every other non-null
+    field (defaults written out: the timeline panel reads e.g. ``step_type``) and the
+    extras as the ``payload`` object, the extras once more as a map, and where in Kafka
+    they came from.
 
     ``events_json`` is the events as one JSON array of their fields in the models'
     order, no extras, nulls written or left out alike (the mirror's
@@ -114,7 +117,7 @@ def built_here(event: EventBase) -> bool:
     (False, True)
     """
     extra = event.__pydantic_extra__
-    return bool(extra) and event_views.CLAIM_EXTRA in extra
+    return extra is not None and event_views.CLAIM_EXTRA in extra
 
 
 def event_row(event: EventBase, priced: PricedCall | None, mismatch: bool,

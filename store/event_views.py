@@ -51,7 +51,7 @@ from clickhouse_connect.driver.client import Client
 from loopwatch.core.config import Settings
 from loopwatch.core.pricing import PriceTable
 from loopwatch.ingest.attribution import EXPLICIT, RANK_EXTRA
-from loopwatch.ingest.events import EVENT_TYPES, Label, LlmCall, ToolCall
+from loopwatch.ingest.events import EVENT_TYPES, EventBase, Label, LlmCall, ToolCall
 from loopwatch.store import tables
 
 #: the extra whose presence marks an event that makes an agent claim (its call rows are
@@ -272,7 +272,8 @@ def table_columns(settings: Settings, prices: PriceTable) -> dict[str, dict[str,
 
 
 #: which events each table's view takes (``events``: all of them)
-_EVENT_TYPE = {tables.LLM_CALLS: LlmCall, tables.TOOL_CALLS: ToolCall, tables.LABELS: Label}
+_EVENT_TYPE: dict[str, type[EventBase]] = {
+    tables.LLM_CALLS: LlmCall, tables.TOOL_CALLS: ToolCall, tables.LABELS: Label}
 
 
 def view_name(table: str) -> str:

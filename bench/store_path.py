@@ -16,7 +16,7 @@ The alternatives:
   ``events_in`` by migration 006's view, ``llm_calls`` / ``tool_calls`` / ``labels``
   rows built in Python (their building is the fold's cost, done beforehand here;
   their encoding is measured), one insert per table per chunk of ~16k events,
-  ClickHouse's default parallel parsing;
+  ClickHouse's default parallel parsing; ``python_rows_100k`` the same per ~100k events;
 - ``views``: the raw events only, parsed once by the generated views
   (:mod:`loopwatch.store.event_views`), per ~100k events, parallel parsing off, one
   insert thread (the sink's settings); ``views_parallel_parsing`` and
@@ -76,6 +76,7 @@ class Alternative:
 
 ALTERNATIVES = {
     "python_rows": Alternative(True, 16_000, TODAY_SETTINGS),
+    "python_rows_100k": Alternative(True, 100_000, TODAY_SETTINGS),
     "views": Alternative(False, 100_000, JSON_INSERT_SETTINGS),
     "views_parallel_parsing": Alternative(
         False, 100_000, {**JSON_INSERT_SETTINGS, "input_format_parallel_parsing": 1}),

@@ -38,7 +38,7 @@ from loopwatch.processors.jobs.reprocess import MemoryRunStore
 from loopwatch.processors.pipeline import Pipeline, RawMessage
 from loopwatch.processors.rows import EVENTS_IN_TABLE, events_in_row
 from loopwatch.store import event_views, tables
-from loopwatch.store.sink import ClickHouseSink, RowBatch
+from loopwatch.store.sink import ClickHouseSink, RowBatch, encode_rows
 from tests.stores import fresh_store
 
 T0 = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
@@ -245,3 +245,21 @@ def test_a_store_fault_is_retried_whole_not_dead_lettered(local_store):
     with pytest.raises(DatabaseError):
         sink.write_batch(RowBatch({EVENTS_IN_TABLE: _good_rows(50, "fault")}))
     assert sink.refused == 0 and _letters(client) == []
+
+
+def test_a_refused_row_sent_by_an_extra_worker_is_dead_lettered_too(local_store):
+    """An extra worker's batch reaches the store owner already encoded (its insert
+    endpoint, loopwatch/runtime.py): the owner decodes it only when the store refuses
+    it, then bisects like any batch."""
+    _settings, client = fresh_store(local_store, "encoded")
+    rows = _good_rows(40, "encoded")
+    good = ToolCall(run_id="x", agent="hostile", ts=T0, tool="t").model_dump(mode="json")
+    rows.insert(17, events_in_row(3, 9, datetime.now(UTC), orjson.dumps(
+        [{**good, "event_id": "not-a-uuid", "run_id": "bad-id"}])))
+    sink = ClickHouseSink(client)
+    sink.write_encoded(EVENTS_IN_TABLE, encode_rows(rows))
+    assert sink.refused == 1
+    assert client.query("SELECT count(), countIf(run_id = 'bad-id') FROM events FINAL"
+                        ).result_rows == [(40, 0)]
+    assert [reason.split(": ")[0] for _, reason in _letters(client)] == [
+        "events_in row refused by the store (CANNOT_PARSE_UUID)"]

@@ -111,6 +111,9 @@ _ALTER = re.compile(r"^ALTER TABLE (?P<name>\w+)\s+(?P<action>.*)$", re.DOTALL)
 _COLUMN_ACTION = re.compile(r"^(ADD|MODIFY|DROP|RENAME|COMMENT) COLUMN\b")
 #: where the migration record is replicated: one replica set over the whole cluster
 RECORD_PATH = "'/clickhouse/tables/all/{database}/" + RECORD_TABLE + "', '{replica}'"
+#: the settings the cluster DDL renders the generated views for: the defaults, whatever
+#: the environment of whoever renders the file says
+DEFAULTS = Settings.model_construct()
 #: where the generated views' record is replicated, likewise
 VIEWS_RECORD_PATH = ("'/clickhouse/tables/all/{database}/" + event_views.RECORD
                      + "', '{replica}'")
@@ -269,7 +272,7 @@ def schema_objects() -> list[SchemaObject]:
             _add(objects, migration, statement)
     objects = [obj for obj in objects if not (isinstance(obj, MaterializedView)
                                               and obj.name in event_views.REPLACED)]
-    for statement in event_views.render(Settings()).creates:
+    for statement in event_views.render(DEFAULTS).creates:
         _add(objects, "store/event_views.py", statement)
     return objects
 
@@ -400,7 +403,7 @@ def _sections(cluster: str, database: str, single_node: bool
               f"{event_views.RECORD_TAIL}",
               f"INSERT INTO {database}.{event_views.RECORD} (name, content_hash, "
               f"applied_at) VALUES ('{event_views.RECORD_NAME}', "
-              f"'{event_views.render(Settings()).content_hash}', now64(3))"]
+              f"'{event_views.render(DEFAULTS).content_hash}', now64(3))"]
     return [("schema", schema), ("retention", retention), ("migrations applied", record)]
 
 

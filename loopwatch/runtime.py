@@ -233,7 +233,7 @@ def _insert_action(connect_client: Callable[[], Any]) -> Callable[[bytes], dict[
         try:
             sink = ClickHouseSink(client)
             for table, data in parts:
-                sink.write_json(table, bytes(data))
+                sink.write_encoded(table, bytes(data))
         finally:
             with pool_lock:
                 idle.append(client)

@@ -44,7 +44,7 @@ import msgspec
 
 from loopwatch.core.config import Settings
 from loopwatch.ingest.attribution import EXPLICIT, claim_of
-from loopwatch.ingest.events import Annotation, EventBase, Label, LlmCall, ToolCall
+from loopwatch.ingest.events import Annotation, EventBase, LlmCall
 from loopwatch.ingest.structs import STRUCTS
 from loopwatch.ingest.wire import DeadLetter, Decoded, decode_message, encode_event
 from loopwatch.processors import attribution, rows
@@ -146,8 +146,14 @@ class Pipeline:
         prices: PriceTable | None = None,
         lookup_run: Callable[[str], RunState | None] | None = None,
         clock: Callable[[], float] = time.time,
+        python_rows: bool = False,
     ) -> None:
+        """``python_rows``: build every event's ``llm_calls`` / ``tool_calls`` /
+        ``labels`` row here, not only a claim event's (see :func:`rows.built_here`): for
+        a writer whose prices or settings are not those the store's views were rendered
+        for (``reprocess`` with a new price table), which writes no ``events_in`` rows."""
         self.settings = settings
+        self.python_rows = python_rows
         self.store = store
         self.prices = prices or PriceTable.load(settings.prices_file)
         self.lookup_run = lookup_run or (lambda run_id: None)
@@ -438,6 +444,8 @@ class Pipeline:
                 self._revise.add(event.run_id)
         priced_cost = 0.0
         loop = self.settings.loop
+        priced = None
+        mismatch = False
         if kind == LLM_CALL:
             call: LlmCall = event  # type: ignore[assignment]  # or its struct
             priced = self.prices.cost(
@@ -450,15 +458,19 @@ class Pipeline:
             )
             self.counters.cost_mismatches += int(mismatch)
             priced_cost = priced.cost_usd
-            work.rows.add(tables.LLM_CALLS,
-                          rows.llm_call_row(call, priced, mismatch, now, agent_rank))
-        elif kind == TOOL_CALL:
-            tool: ToolCall = event  # type: ignore[assignment]
-            work.rows.add(tables.TOOL_CALLS, rows.tool_call_row(
-                tool, self.settings.near_miss_factor, now, agent_rank))
-        elif kind == LABEL:
-            label: Label = event  # type: ignore[assignment]
-            work.rows.add(tables.LABELS, rows.label_row(label, now))
+        # the store's views write every other event's row (loopwatch.store.event_views);
+        # a struct carries no extras, so no claim: never one of those built here
+        if self.python_rows or (type(event) not in STRUCTS and rows.built_here(event)):
+            if kind == LLM_CALL:
+                assert priced is not None
+                work.rows.add(tables.LLM_CALLS, rows.llm_call_row(
+                    event, priced, mismatch, now, agent_rank))  # type: ignore[arg-type]
+            elif kind == TOOL_CALL:
+                work.rows.add(tables.TOOL_CALLS, rows.tool_call_row(
+                    event, self.settings.near_miss_factor, now,  # type: ignore[arg-type]
+                    agent_rank))
+            elif kind == LABEL:
+                work.rows.add(tables.LABELS, rows.label_row(event, now))  # type: ignore[arg-type]
         state = self._state_for(touched, event, message.partition, event_ms, kind)
         if kind == TOOL_CALL:  # only a tool call reads the loop detector's settings
             loop = self.settings.loop_for(event.task_type or state.task_type)

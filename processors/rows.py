@@ -16,7 +16,7 @@ from loopwatch.ingest.events import Annotation, EventBase, Label, LlmCall, ToolC
 from loopwatch.ingest.wire import exact_json
 from loopwatch.processors.pricing import PricedCall
 from loopwatch.processors.runs import RunState
-from loopwatch.store import tables
+from loopwatch.store import event_views, tables
 
 ENVELOPE_COLUMNS = ("agent_version", "task_type", "model", "prompt_version", "deployment",
                     "traffic_slice", "worker_id")
@@ -28,22 +28,24 @@ def utc_ms(epoch_ms: int | None) -> datetime | None:
 
 #: event fields the ``events`` table keeps as columns, and so leaves out of ``payload``
 #: (stored once, not twice: ``payload`` was half of the table's compressed bytes); the
-#: view of migration 006 lists the same names
-EVENT_COLUMNS = ("event_id", "event_type", "schema_version", "ts", "run_id", "trace_id",
-                 "span_id", "parent_span_id", "agent", *ENVELOPE_COLUMNS)
+#: store's generated views read the same names
+EVENT_COLUMNS = event_views.EVENT_COLUMNS
 #: optional fields whose absence the columns store as ''
-_OPTIONAL_IDS = ("trace_id", "span_id", "parent_span_id")
+_OPTIONAL_IDS = event_views.OPTIONAL_IDS
 
-#: the table ClickHouse splits into ``events`` rows (migration 006): one row per message
+#: the table ClickHouse splits into ``events``, ``llm_calls``, ``tool_calls`` and ``labels``
+#: rows (the views of :mod:`loopwatch.store.event_views`): one row per message
 EVENTS_IN_TABLE = tables.EVENTS_IN
 
 
 def events_in_row(partition: int, offset: int, now: datetime, events_json: bytes,
                   extras: list[dict[str, str]] | None = None) -> dict[str, Any]:
-    """One message's events for ``events_in``, whose materialized view writes their
-    ``events`` rows: the column fields as columns, every other non-null field (defaults
-    written out: the timeline panel reads e.g. ``step_type``) and the extras as the
-    ``payload`` object, the extras once more as a map, and where in Kafka they came from.
+    """One message's events for ``events_in``, whose generated views write their
+    ``events`` rows (and their ``llm_calls`` / ``tool_calls`` / ``labels`` rows, but
+    for :func:`built_here` events): the column fields as columns, every other non-null
+    field (defaults written out: the timeline panel reads e.g. ``step_type``) and the
+    extras as the ``payload`` object, the extras once more as a map, and where in Kafka
+    they came from.
 
     ``events_json`` is the events as one JSON array of their fields in the models'
     order, no extras, nulls written or left out alike (the mirror's
@@ -100,6 +102,38 @@ def event_json(columns: dict[str, Any], payload: str | bytes) -> bytes:
         if not fields[name]:
             del fields[name]
     return orjson.dumps(fields)
+
+
+def built_here(event: EventBase) -> bool:
+    """Whether the processors build the event's ``llm_calls`` / ``tool_calls`` /
+    ``labels`` row themselves: only for an event making an agent claim (an OTLP span's),
+    whose row takes its run's agent and rank. Every other event's row is written by the
+    store's views from the ``events_in`` row alone (:mod:`loopwatch.store.event_views`,
+    which leaves out the events carrying the same extra).
+
+    >>> from loopwatch.ingest.events import Step
+    >>> built_here(Step(run_id="r", agent="a", step=1)), built_here(
+    ...     Step(run_id="r", agent="a", step=1, otel_agent_rank="not a rank"))
+    (False, True)
+    """
+    extra = event.__pydantic_extra__
+    return extra is not None and event_views.CLAIM_EXTRA in extra
+
+
+def event_row(event: EventBase, priced: PricedCall | None, mismatch: bool,
+              near_miss_factor: float, now: datetime, agent_rank: int = EXPLICIT
+              ) -> tuple[str, dict[str, Any]] | None:
+    """(table, row) of an event's call or label row, None for an event without one:
+    the Python twin of the store's views (``priced`` and ``mismatch``: an ``llm.call``'s
+    price)."""
+    if isinstance(event, LlmCall):
+        assert priced is not None
+        return tables.LLM_CALLS, llm_call_row(event, priced, mismatch, now, agent_rank)
+    if isinstance(event, ToolCall):
+        return tables.TOOL_CALLS, tool_call_row(event, near_miss_factor, now, agent_rank)
+    if isinstance(event, Label):
+        return tables.LABELS, label_row(event, now)
+    return None
 
 
 def llm_call_row(event: LlmCall, priced: PricedCall, mismatch: bool, now: datetime,

@@ -17,6 +17,7 @@ from clickhouse_connect.driver.client import Client
 
 from loopwatch.core.config import Settings
 from loopwatch.ingest.privatefs import private_dir
+from loopwatch.store import event_views
 from loopwatch.store.retention import apply_retention
 from loopwatch.store.schema_versions import apply_migrations
 from loopwatch.store.schema_versions import migrations as migrations  # cluster.py, tests
@@ -93,7 +94,8 @@ def connect(settings: Settings, database: str | None = None, server: str | None 
 
 def migrate(settings: Settings) -> Client:
     """Create the database, apply the migrations it has not recorded yet
-    (:mod:`loopwatch.store.schema_versions`) and the retention TTLs
+    (:mod:`loopwatch.store.schema_versions`), the views generated for ``settings``
+    (:mod:`loopwatch.store.event_views`) and the retention TTLs
     (:mod:`loopwatch.store.retention`); safe to run at every start."""
     bootstrap = connect(settings, database="")
     bootstrap.command(f"CREATE DATABASE IF NOT EXISTS {settings.database}")
@@ -101,6 +103,7 @@ def migrate(settings: Settings) -> Client:
     if not settings.clickhouse_url:
         client.command(f"USE {settings.database}")
     apply_migrations(client, settings.database)
+    event_views.install(client, settings)
     if settings.apply_retention:
         apply_retention(client, settings)
     return client

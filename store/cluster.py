@@ -33,6 +33,11 @@ For a sharded, replicated ClickHouse cluster this module rewrites them:
   that has applied the rebuild skips it when the file is run again, as a RENAME;
 - a retention section sets TTLs on the ``_local`` tables (the defaults of
   :data:`loopwatch.store.retention.RETENTION`, which single-node ``migrate`` applies too);
+- the views :mod:`loopwatch.store.event_views` generates (for the default settings and
+  the shipped price table) are rendered like the migrations' own, after them, in place
+  of migration 006's ``events_in_split`` (dropped first, for a cluster that has it), and
+  recorded with their hash: a processor whose settings render other views re-creates
+  them on the node it writes to;
 - a last section records every migration in ``schema_migrations``
   (:mod:`loopwatch.store.schema_versions`), replicated to every node, so the processors'
   own ``migrate`` finds the cluster up to date and applies nothing.
@@ -57,6 +62,8 @@ import re
 import sys
 from dataclasses import dataclass
 
+from loopwatch.core.config import Settings
+from loopwatch.store import event_views
 from loopwatch.store.retention import RETENTION, Retention
 from loopwatch.store.schema_versions import (
     REBUILT,
@@ -104,6 +111,12 @@ _ALTER = re.compile(r"^ALTER TABLE (?P<name>\w+)\s+(?P<action>.*)$", re.DOTALL)
 _COLUMN_ACTION = re.compile(r"^(ADD|MODIFY|DROP|RENAME|COMMENT) COLUMN\b")
 #: where the migration record is replicated: one replica set over the whole cluster
 RECORD_PATH = "'/clickhouse/tables/all/{database}/" + RECORD_TABLE + "', '{replica}'"
+#: the settings the cluster DDL renders the generated views for: the defaults, whatever
+#: the environment of whoever renders the file says
+DEFAULTS = Settings.model_construct()
+#: where the generated views' record is replicated, likewise
+VIEWS_RECORD_PATH = ("'/clickhouse/tables/all/{database}/" + event_views.RECORD
+                     + "', '{replica}'")
 #: engines that store nothing: created as written on every node, never replicated
 _STORELESS = frozenset({"Null"})
 _ORDER_BY = re.compile(r"ORDER BY\s+(\((?P<many>[^)]*)\)|(?P<one>\w+))")
@@ -226,31 +239,41 @@ def _rebuild_step(objects: list[SchemaObject], migration: str, statement: str) -
     return True
 
 
+def _add(objects: list[SchemaObject], where: str, statement: str) -> None:
+    if _rebuild_step(objects, where, statement):
+        return
+    if table := _TABLE.match(statement):
+        objects.append(Table(table["name"], table["columns"].strip("\n"),
+                             table["engine"], (table["args"] or "").strip(),
+                             table["tail"].strip()))
+    elif view := _VIEW.match(statement):
+        objects.append(View(view["name"], view["query"].strip()))
+    elif feed := _MATERIALIZED_VIEW.match(statement):
+        objects.append(MaterializedView(feed["name"], feed["target"],
+                                        feed["query"].strip()))
+    elif alter := _ALTER.match(statement):
+        if not any(isinstance(obj, Table) and obj.name == alter["name"]
+                   for obj in objects):
+            raise ValueError(f"{where}: ALTER of unknown table {alter['name']}")
+        objects.append(Alter(alter["name"], alter["action"].strip()))
+    else:
+        raise ValueError(
+            f"{where}: cluster.py cannot render this statement yet; teach it "
+            f"(store/cluster.py): {statement.splitlines()[0]!r}")
+
+
 def schema_objects() -> list[SchemaObject]:
-    """Every table, view, ALTER and rebuild of the migrations, in migration order."""
+    """Every table, view, ALTER and rebuild of the migrations, in migration order, then
+    the generated views (:mod:`loopwatch.store.event_views`, for the default settings
+    and the shipped price table) in place of the views they replace."""
     objects: list[SchemaObject] = []
     for migration, sql in migrations():
         for statement in statements(sql):
-            if _rebuild_step(objects, migration, statement):
-                continue
-            if table := _TABLE.match(statement):
-                objects.append(Table(table["name"], table["columns"].strip("\n"),
-                                     table["engine"], (table["args"] or "").strip(),
-                                     table["tail"].strip()))
-            elif view := _VIEW.match(statement):
-                objects.append(View(view["name"], view["query"].strip()))
-            elif feed := _MATERIALIZED_VIEW.match(statement):
-                objects.append(MaterializedView(feed["name"], feed["target"],
-                                                feed["query"].strip()))
-            elif alter := _ALTER.match(statement):
-                if not any(isinstance(obj, Table) and obj.name == alter["name"]
-                           for obj in objects):
-                    raise ValueError(f"{migration}: ALTER of unknown table {alter['name']}")
-                objects.append(Alter(alter["name"], alter["action"].strip()))
-            else:
-                raise ValueError(
-                    f"{migration}: cluster.py cannot render this statement yet; teach it "
-                    f"(store/cluster.py): {statement.splitlines()[0]!r}")
+            _add(objects, migration, statement)
+    objects = [obj for obj in objects if not (isinstance(obj, MaterializedView)
+                                              and obj.name in event_views.REPLACED)]
+    for statement in event_views.render(DEFAULTS).creates:
+        _add(objects, "store/event_views.py", statement)
     return objects
 
 
@@ -320,7 +343,9 @@ def _sections(cluster: str, database: str, single_node: bool
             f"DROP TABLE IF EXISTS {database}.{new_local}{on_cluster}",
         ]
 
-    schema = [f"CREATE DATABASE IF NOT EXISTS {database}{on_cluster}"]
+    schema = [f"CREATE DATABASE IF NOT EXISTS {database}{on_cluster}",
+              *(f"DROP VIEW IF EXISTS {database}.{name}{on_cluster}"
+                for name in event_views.REPLACED)]
     for obj in objects:
         if isinstance(obj, Rebuild):
             schema.extend(rebuild(obj))
@@ -365,12 +390,20 @@ def _sections(cluster: str, database: str, single_node: bool
     ]
     engine = ("ReplacingMergeTree(applied_at)" if single_node
               else f"ReplicatedReplacingMergeTree({RECORD_PATH}, applied_at)")
+    views_engine = ("ReplacingMergeTree(applied_at)" if single_node
+                    else f"ReplicatedReplacingMergeTree({VIEWS_RECORD_PATH}, applied_at)")
     values = ", ".join(f"('{name}', '{checksum(sql)}', now64(3), 'cluster.sql')"
                        for name, sql in migrations())
     record = [f"CREATE TABLE IF NOT EXISTS {database}.{RECORD_TABLE}{on_cluster}\n"
               f"(\n{RECORD_COLUMNS}\n)\nENGINE = {engine}\n{RECORD_TAIL}",
               f"INSERT INTO {database}.{RECORD_TABLE} (name, checksum, applied_at, how) "
-              f"VALUES {values}"]
+              f"VALUES {values}",
+              f"CREATE TABLE IF NOT EXISTS {database}.{event_views.RECORD}{on_cluster}\n"
+              f"(\n{event_views.RECORD_COLUMNS}\n)\nENGINE = {views_engine}\n"
+              f"{event_views.RECORD_TAIL}",
+              f"INSERT INTO {database}.{event_views.RECORD} (name, content_hash, "
+              f"applied_at) VALUES ('{event_views.RECORD_NAME}', "
+              f"'{event_views.render(DEFAULTS).content_hash}', now64(3))"]
     return [("schema", schema), ("retention", retention), ("migrations applied", record)]
 
 

@@ -1,12 +1,14 @@
 """Where derived rows go. A sink has one job: make a batch durable, or say it could not.
 
 Commit order (the delivery guarantee of the whole pipeline): a batch's rows are written
-through :meth:`Sink.write_batch`; only when it returned are the batch's state changelog
-records sent, and only when the broker accepted them are the batch's Kafka messages
-acknowledged, and faust commits acknowledged offsets later. A crash anywhere before
-that re-delivers the batch; every table is keyed so that re-writing a row is harmless
-(ReplacingMergeTree on ``event_id``, or on ``run_id`` with a version), so
-re-processing never double counts.
+through :meth:`Sink.write_batch`, its tables in :func:`write_order` (the raw events,
+whose views write ``events``, ``llm_calls``, ``tool_calls`` and ``labels``, with the
+other rows of events; then revisions; then ``runs``). Only when it returned are the
+batch's state changelog records sent, only when the broker accepted them are the
+batch's Kafka messages acknowledged, and faust commits acknowledged offsets later. A
+crash anywhere before that re-delivers the batch; every table is keyed so that
+re-writing a row is harmless (ReplacingMergeTree on ``event_id``, or on ``run_id``
+with a version), so re-processing never double counts.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, Protocol
 
 import orjson
 from clickhouse_connect.driver.client import Client
+from clickhouse_connect.driver.exceptions import DatabaseError, OperationalError
 
 from loopwatch.store import tables
 from loopwatch.store.letters import dead_letter_row, failure_reason, letter_id
@@ -111,8 +114,47 @@ def unstorable_letter(table: str, row: dict[str, Any], exc: Exception) -> dict[s
 #: how ClickHouse reads :func:`encode_rows` output. ``optimize_on_insert`` off: every
 #: reader deduplicates with ``FINAL`` anyway (a redelivered batch arrives in another
 #: insert), so collapsing each block's duplicate keys at insert bought nothing and cost
-#: ClickHouse's insert threads ~1.1 of their ~9.4 µs an event (bench's event mix)
-JSON_INSERT_SETTINGS = {"date_time_input_format": "best_effort", "optimize_on_insert": 0}
+#: ClickHouse's insert threads ~1.1 of their ~9.4 µs an event (bench's event mix).
+#: ``input_format_parallel_parsing`` off and one insert thread: an insert of ~100k
+#: events through the generated views parsed its JSON in 0.58 µs an event single-threaded
+#: against 1.97 split across threads (issue #27; ``python -m loopwatch.bench.store_path``
+#: measures both), and the processor's other core is the fold's
+JSON_INSERT_SETTINGS = {"date_time_input_format": "best_effort", "optimize_on_insert": 0,
+                        "input_format_parallel_parsing": 0, "max_insert_threads": 1}
+
+
+#: ClickHouse errors that refuse a row's values (by name, as the store reports it);
+#: any other failure of a single row (memory, disk, a missing table) is the store's
+#: and is retried, never dead-lettered
+DATA_ERRORS = frozenset({
+    "TYPE_MISMATCH", "CANNOT_CONVERT_TYPE", "INCORRECT_DATA", "ARGUMENT_OUT_OF_BOUND",
+    "VALUE_IS_OUT_OF_RANGE_OF_DATA_TYPE", "CANNOT_INSERT_NULL_IN_ORDINARY_COLUMN",
+    "TOO_LARGE_STRING_SIZE", "TOO_LARGE_ARRAY_SIZE", "SIZES_OF_ARRAYS_DONT_MATCH",
+    "BAD_ARGUMENTS", "ILLEGAL_TYPE_OF_ARGUMENT", "DECIMAL_OVERFLOW",
+    "UNKNOWN_ELEMENT_OF_ENUM", "INCORRECT_NUMBER_OF_COLUMNS", "ILLEGAL_COLUMN",
+    "NUMBER_OF_ARGUMENTS_DOESNT_MATCH", "TOO_DEEP_RECURSION"})
+
+
+def refuses_data(exc: DatabaseError) -> bool:
+    """Whether the store refused an insert for the values it holds.
+
+    >>> refuses_data(DatabaseError("x", name="CANNOT_PARSE_UUID")), refuses_data(
+    ...     DatabaseError("x", name="MEMORY_LIMIT_EXCEEDED")), refuses_data(DatabaseError("x"))
+    (True, False, False)
+    """
+    name = exc.name or ""
+    return name.startswith("CANNOT_PARSE") or name in DATA_ERRORS
+
+
+def refused_letter(table: str, row: dict[str, Any], exc: Exception) -> dict[str, Any]:
+    """A ``dead_letters`` row for a row ClickHouse refused (its reason is the store's
+    error); keyed like :func:`unstorable_letter`, so a redelivery rewrites it."""
+    key = ":".join([table, *(str(row.get(name, "")) for name in _ROW_IDENTITY)])
+    return dead_letter_row(
+        letter_id(key), f"sink:{table}", failure_reason(
+            f"{table} row refused by the store ({getattr(exc, 'name', None) or 'error'})",
+            exc),
+        str(row.get("run_id") or ""), encode_rows([row])[1:-1], datetime.now(UTC))
 
 
 class ClickHouseSink:
@@ -123,25 +165,65 @@ class ClickHouseSink:
     runs on another core while the processor folds the next chunk. clickhouse-connect's
     column-oriented insert serialised every value in Python under the GIL (8 µs per
     ``events`` row), which made the write the larger half of the processors' CPU.
+
+    A row ClickHouse refuses (a value the views cannot convert, which validation
+    should have refused) must not stall the pipeline behind a batch retried forever:
+    an insert refused for its data is split in halves, each inserted again, down to the
+    single rows refused, which become dead letters with the store's reason
+    (:func:`refused_letter`), ~2 log2(n) inserts per such row. Rows of the halves that
+    went in before are harmless to write again (every table dedups by its key). An
+    insert that failed for want of the store (a connection, a timeout) is not split:
+    it raises, and the batch is retried whole.
     """
 
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: Client,
+                 insert_settings: dict[str, Any] | None = None) -> None:
         self._client = client
+        #: how ClickHouse reads the inserts (the bench compares others)
+        self._insert_settings = JSON_INSERT_SETTINGS if insert_settings is None \
+            else insert_settings
         self.unstorable = 0
+        self.refused = 0
 
     def write_batch(self, batch: RowBatch) -> None:
         for table in write_order(batch):
             rows = batch.tables[table]
             if rows:
-                self.write_json(table, self._encoded(table, rows))
+                rows, data = self._encoded(table, rows)
+                self._insert(table, rows, data)
 
-    def _encoded(self, table: str, rows: list[dict[str, Any]]) -> bytes:
-        """The rows encoded; a row that cannot be (a value no column takes, which
-        validation should have refused) becomes a dead letter with the error, so that
-        a retry of the batch is not a stall of every table. Raises only if the store
-        refuses the letters."""
+    def _insert(self, table: str, rows: list[dict[str, Any]], data: bytes | None = None
+                ) -> None:
+        """Insert ``rows`` (``data``: already encoded), bisecting a refusal (see the class)."""
         try:
-            return encode_rows(rows)
+            self.write_json(table, encode_rows(rows) if data is None else data)
+            return
+        except OperationalError:
+            raise
+        except DatabaseError as exc:
+            if table in (REVISIONS_TABLE, DEAD_LETTERS_TABLE):
+                raise
+            refusal = exc
+        if len(rows) > 1:
+            half = len(rows) // 2
+            self._insert(table, rows[:half])
+            self._insert(table, rows[half:])
+            return
+        if not refuses_data(refusal):  # the store's trouble, not the row's: retry it all
+            raise refusal
+        letter = refused_letter(table, rows[0], refusal)
+        self.refused += 1
+        log.error("the store refused a %s row (%s); dead-lettered", table, letter["reason"])
+        self.write_json(DEAD_LETTERS_TABLE, encode_rows([letter]))
+
+    def _encoded(self, table: str, rows: list[dict[str, Any]]
+                 ) -> tuple[list[dict[str, Any]], bytes]:
+        """The rows that can be encoded, and their encoding. A row that cannot be (a
+        value no column takes, which validation should have refused) becomes a dead
+        letter with the error, so that a retry of the batch is not a stall of every
+        table. Raises only if the store refuses the letters."""
+        try:
+            return rows, encode_rows(rows)
         except (TypeError, ValueError):
             pass
         good: list[dict[str, Any]] = []
@@ -158,7 +240,23 @@ class ClickHouseSink:
             log.error("%d %s rows cannot be stored (%s); dead-lettered", len(letters),
                       table, letters[0]["reason"])
             self.write_json(DEAD_LETTERS_TABLE, encode_rows(letters))
-        return encode_rows(good)
+        return good, encode_rows(good)
+
+    def write_encoded(self, table: str, data: bytes) -> None:
+        """Insert rows another process encoded with :func:`encode_rows` (the store
+        owner's insert endpoint for the extra workers), a refused row found and
+        dead-lettered as in :meth:`write_batch`: only then are the rows decoded."""
+        try:
+            self.write_json(table, data)
+        except OperationalError:
+            raise
+        except DatabaseError:
+            if table in (REVISIONS_TABLE, DEAD_LETTERS_TABLE):
+                raise
+            rows = orjson.loads(data)
+            if not rows:
+                raise
+            self._insert(table, rows)
 
     def write_json(self, table: str, data: bytes) -> None:
         """Insert rows already encoded by :func:`encode_rows` (revisions: apply them)."""
@@ -166,7 +264,7 @@ class ClickHouseSink:
             revise(self._client, orjson.loads(data))
             return
         self._client.raw_insert(table, insert_block=data, fmt="JSONEachRow",
-                                settings=JSON_INSERT_SETTINGS)
+                                settings=self._insert_settings)
 
 
 class FaultInjectingSink:

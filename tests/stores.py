@@ -20,6 +20,11 @@ from clickhouse_connect.driver.client import Client
 from loopwatch.core.config import Settings
 from loopwatch.store.clickhouse import migrate
 from loopwatch.store.schema_versions import RECORD_TABLE
+from loopwatch.store.tables import GENERATED_VIEWS
+
+#: what a migrated store records about itself: copied from the template with the
+#: definitions (the generated views' record too, so the copy's migrate re-creates none)
+_RECORDS = (RECORD_TABLE, GENERATED_VIEWS)
 
 _TEMPLATES: dict[str, str] = {}  # chdb path -> the migrated template database
 
@@ -42,7 +47,7 @@ def _template(local_store: tuple[Settings, Client]) -> str:
         name = f"lw_template_{uuid.uuid4().hex[:12]}"
         template = migrate(Settings(data_dir=base.data_dir, database=name))
         stray = [table for table, engine, _ in _definitions(client, name)
-                 if table != RECORD_TABLE and "View" not in engine and int(template.query(
+                 if table not in _RECORDS and "View" not in engine and int(template.query(
                      f"SELECT count() FROM {name}.`{table}`").result_rows[0][0])]
         # copying rows into a table a materialized view reads would double the view's
         assert not stray, f"migrations left rows in {stray}: tests/stores.py copies none"
@@ -74,8 +79,8 @@ def fresh_store(local_store: tuple[Settings, Client], prefix: str,
         if len(failed) == len(pending):
             raise errors[0]
         pending = failed
-    client.command(f"INSERT INTO {database}.{RECORD_TABLE} SELECT * FROM "
-                   f"{template}.{RECORD_TABLE}")
+    for record in _RECORDS:
+        client.command(f"INSERT INTO {database}.{record} SELECT * FROM {template}.{record}")
     copied = _definitions(client, database)
     assert copied == wanted, "the copied database differs from the migrated template"
     return settings, migrate(settings)

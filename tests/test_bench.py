@@ -108,3 +108,21 @@ def test_otlp_burst_is_the_issue_s_span_mix() -> None:
         for event in batch.events:
             kinds[event.event_type] = kinds.get(event.event_type, 0) + 1
     assert kinds == {"run.start": 100, "llm.call": 500, "tool.call": 500, "run.end": 100}
+
+
+def test_store_path_bench_smoke_stores_the_same_tables_both_ways() -> None:
+    """``python -m loopwatch.bench.store_path``: today's path (Python rows) and the
+    generated views, each in a process and store of its own, store equal tables (the
+    bench exits non-zero otherwise) with every generated event once."""
+    events = 3000
+    done = subprocess.run([sys.executable, "-m", "loopwatch.bench.store_path", "--events",
+                           str(events), "--runs", "1", "--only", "python_rows", "views",
+                           "--json"], capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    figures = orjson.loads(done.stdout.strip().splitlines()[-1])
+    assert figures["tables"]["events"] == events
+    assert figures["tables"]["llm_calls"] > 0 and figures["tables"]["tool_calls"] > 0
+    for name in ("python_rows", "views"):
+        assert figures["alternatives"][name]["us_per_event"] > 0
+        assert figures["alternatives"][name]["bytes_per_event"] > 0

@@ -483,10 +483,11 @@ def test_cluster_ddl_replicates_and_distributes_every_table():
               if isinstance(obj, Table) and obj.engine != "Null"]
     views = [obj for obj in schema_objects() if isinstance(obj, View)]
     assert len(tables) >= 10 and len(views) >= 4
-    # an INSERT runs on one node: the migration record, and 010's copy of a rebuilt table
-    # (through the Distributed fronts, synchronously)
+    # an INSERT runs on one node: the migration record, the generated views' record, and
+    # 010's copy of a rebuilt table (through the Distributed fronts, synchronously)
     assert all(" ON CLUSTER prod" in statement for statement in ddl
                if not statement.startswith(("INSERT INTO lw.schema_migrations ",
+                                            "INSERT INTO lw.generated_views ",
                                             "INSERT INTO lw.llm_calls_v010 ",
                                             "INSERT INTO lw.tool_calls_v010 ")))
     for table in tables:
@@ -515,10 +516,19 @@ def test_cluster_ddl_replicates_and_distributes_every_table():
     # the insert-only entry point: a Null table on every node, split into the sharded table
     entry = [s for s in ddl if "lw.events_in" in s and s.startswith("CREATE TABLE")]
     assert len(entry) == 1 and entry[0].endswith("ENGINE = Null"), entry
-    (split,) = [s for s in ddl if s.startswith("CREATE MATERIALIZED VIEW")]
-    assert split.startswith("CREATE MATERIALIZED VIEW IF NOT EXISTS lw.events_in_split "
-                            "ON CLUSTER prod TO lw.events AS\n")
-    assert re.findall(r"\bFROM\s+(\S+)", split) == ["lw.events_in"]
+    # its events parsed once (a Null table on every node), then split into the sharded
+    # tables by the generated views (store/event_views.py), which replace 006's split
+    feeds = {s.split()[6]: (s.split()[11], re.findall(r"\bFROM\s+(\S+)", s))
+             for s in ddl if s.startswith("CREATE MATERIALIZED VIEW")}
+    assert feeds == {
+        "lw.events_in_parse": ("lw.events_parsed", ["lw.events_in"]),
+        "lw.events_parsed_events": ("lw.events", ["lw.events_parsed"]),
+        "lw.events_parsed_llm_calls": ("lw.llm_calls", ["lw.events_parsed"]),
+        "lw.events_parsed_tool_calls": ("lw.tool_calls", ["lw.events_parsed"]),
+        "lw.events_parsed_labels": ("lw.labels", ["lw.events_parsed"])}
+    parsed = [s for s in ddl if "lw.events_parsed" in s and s.startswith("CREATE TABLE")]
+    assert len(parsed) == 1 and parsed[0].endswith("ENGINE = Null"), parsed
+    assert "DROP VIEW IF EXISTS lw.events_in_split ON CLUSTER prod" in ddl
 
 
 def test_cluster_ddl_parses_with_clickhouse(local_store: tuple[Settings, Client]):

@@ -16,8 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-import pytest
-from clickhouse_connect.driver.exceptions import DatabaseError
 
 from loopwatch.bench.pipeline import RENAMED_BY_CHDB, generate_events
 from loopwatch.core.config import Settings
@@ -32,6 +30,7 @@ from loopwatch.processors.rows import (
     validated_events_json,
 )
 from loopwatch.store.sink import ClickHouseSink, RowBatch
+from tests.stores import fresh_store
 
 T0 = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
 PARTITION, OFFSET = 3, 41
@@ -128,19 +127,23 @@ def test_mirrored_and_validated_events_are_stored_alike(local_store):
     assert {row["kafka_offset"] for row in through_mirror} == {OFFSET}
 
 
-def test_a_row_the_view_cannot_split_fails_the_whole_insert(local_store):
-    """The delivery guarantee rests on this: the view runs inside the insert, so rows it
-    cannot write make the insert fail (the sink retries; nothing is acked) rather than
-    vanish into the Null table."""
-    _, client = local_store
+def test_a_row_the_view_cannot_split_is_dead_lettered_not_lost(local_store):
+    """The delivery guarantee rests on this: the view runs inside the insert, so a row
+    it cannot write makes the insert fail rather than vanish into the Null table; the
+    sink then finds that row (tests/test_event_views.py) and dead-letters it with the
+    store's reason, and the good row is stored. (Before the sink bisected, the whole
+    insert failed and was retried forever.)"""
+    _settings, client = fresh_store(local_store, "unsplittable")
     run_id = f"unsplittable-{uuid.uuid4().hex[:8]}"
     good = orjson.loads(encode_envelope([Step(run_id=run_id, agent="a", step=1, ts=T0)]))
     bad = dict(good["events"][0], event_id="not-a-uuid")
     rows = [events_in_row(0, 1, T0, orjson.dumps(good["events"])),
             events_in_row(0, 2, T0, orjson.dumps([bad]))]
-    with pytest.raises(DatabaseError, match="UUID"):
-        ClickHouseSink(client).write_batch(RowBatch({EVENTS_IN_TABLE: rows}))
-    assert _stored(client, [run_id]) == []
+    ClickHouseSink(client).write_batch(RowBatch({EVENTS_IN_TABLE: rows}))
+    assert len(_stored(client, [run_id])) == 1
+    letters = client.query("SELECT source, reason FROM dead_letters").result_rows
+    assert [(source, reason.split(": ")[0]) for source, reason in letters] == [
+        ("sink:events_in", "events_in row refused by the store (CANNOT_PARSE_UUID)")]
 
 
 def test_an_insert_through_the_view_leaves_its_thread_named_as_the_bench_reads_it(local_store):

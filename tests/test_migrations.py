@@ -32,6 +32,7 @@ from loopwatch.store.schema_versions import (
     migrations,
     statements,
 )
+from loopwatch.store.tables import GENERATED_VIEWS
 
 FIXTURE = Path(__file__).parent / "fixtures" / "main_store"
 
@@ -83,8 +84,8 @@ def _load_main_store(settings: Settings) -> Client:
 def _tables(client: Client, database: str) -> list[str]:
     return [name for (name,) in client.query(
         "SELECT name FROM system.tables WHERE database = {d:String} AND "
-        "endsWith(engine, 'MergeTree') AND name != {r:String} ORDER BY name",
-        parameters={"d": database, "r": RECORD_TABLE}).result_rows]
+        "endsWith(engine, 'MergeTree') AND name NOT IN {r:Array(String)} ORDER BY name",
+        parameters={"d": database, "r": [RECORD_TABLE, GENERATED_VIEWS]}).result_rows]
 
 
 def _contents(client: Client, database: str) -> dict[str, list[tuple[Any, ...]]]:

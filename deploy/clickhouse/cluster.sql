@@ -9,6 +9,8 @@
 
 CREATE DATABASE IF NOT EXISTS loopwatch ON CLUSTER loopwatch;
 
+DROP VIEW IF EXISTS loopwatch.events_in_split ON CLUSTER loopwatch;
+
 CREATE TABLE IF NOT EXISTS loopwatch.events_local ON CLUSTER loopwatch
 (
     event_id        UUID CODEC(ZSTD(1)),
@@ -430,38 +432,6 @@ CREATE TABLE IF NOT EXISTS loopwatch.events_in ON CLUSTER loopwatch
 )
 ENGINE = Null;
 
-CREATE MATERIALIZED VIEW IF NOT EXISTS loopwatch.events_in_split ON CLUSTER loopwatch TO loopwatch.events AS
-WITH
-    JSONExtract(event, 'Tuple(event_id String, event_type String, schema_version String, ts String, run_id String, trace_id Nullable(String), span_id Nullable(String), parent_span_id Nullable(String), agent String, agent_version String, task_type String, model String, prompt_version String, deployment String, traffic_slice String, worker_id String)') AS c,
-    arrayFilter(field -> field.2 != 'null' AND field.1 NOT IN ('event_id', 'event_type', 'schema_version', 'ts', 'run_id', 'trace_id', 'span_id', 'parent_span_id', 'agent', 'agent_version', 'task_type', 'model', 'prompt_version', 'deployment', 'traffic_slice', 'worker_id'), JSONExtractKeysAndValuesRaw(event)) AS kept,
-    arrayConcat(kept, arrayZip(mapKeys(event_extra), mapValues(event_extra))) AS payload_fields
-SELECT
-    toUUID(c.event_id) AS event_id,
-    c.event_type AS event_type,
-    c.schema_version AS schema_version,
-    parseDateTime64BestEffort(c.ts, 3, 'UTC') AS ts,
-    c.run_id AS run_id,
-    ifNull(c.trace_id, '') AS trace_id,
-    ifNull(c.span_id, '') AS span_id,
-    ifNull(c.parent_span_id, '') AS parent_span_id,
-    c.agent AS agent,
-    c.agent_version AS agent_version,
-    c.task_type AS task_type,
-    c.model AS model,
-    c.prompt_version AS prompt_version,
-    c.deployment AS deployment,
-    c.traffic_slice AS traffic_slice,
-    c.worker_id AS worker_id,
-    concat('{', arrayStringConcat(arrayMap(field -> concat(toJSONString(field.1), ':', field.2), payload_fields), ','), '}') AS payload,
-    event_extra AS extras,
-    kafka_partition,
-    kafka_offset,
-    ingested_at
-FROM loopwatch.events_in
-ARRAY JOIN
-    event_objects AS event,
-    arrayResize(event_extras, length(event_objects)) AS event_extra;
-
 ALTER TABLE loopwatch.events_local ON CLUSTER loopwatch MODIFY COLUMN ingested_at DEFAULT now64(3);
 
 ALTER TABLE loopwatch.events ON CLUSTER loopwatch MODIFY COLUMN ingested_at DEFAULT now64(3);
@@ -784,6 +754,240 @@ SELECT
 FROM loopwatch.llm_calls FINAL
 GROUP BY minute, agent, task_type, model, prompt_version, deployment, traffic_slice;
 
+CREATE TABLE IF NOT EXISTS loopwatch.events_parsed ON CLUSTER loopwatch
+(
+    f_agent String,
+    f_agent_version String,
+    f_args_hash Nullable(String),
+    f_attempt Int64,
+    f_cache_creation_input_tokens Int64,
+    f_cache_read_input_tokens Int64,
+    f_cache_ttl String,
+    f_cost_usd Nullable(Float64),
+    f_deployment String,
+    f_error_type Nullable(String),
+    f_event_id UUID,
+    f_event_type String,
+    f_hallucination Nullable(UInt8),
+    f_history_hash Nullable(String),
+    f_http_status Nullable(Int64),
+    f_input_tokens Int64,
+    f_label_source String,
+    f_late_completion_ms Nullable(Float64),
+    f_latency_ms Float64,
+    f_logical_op_id Nullable(String),
+    f_model String,
+    f_output_tokens Int64,
+    f_parent_span_id Nullable(String),
+    f_prompt_version String,
+    f_provider String,
+    f_purpose String,
+    f_quality_score Nullable(Float64),
+    f_response_model String,
+    f_result_count Nullable(Int64),
+    f_result_size_bytes Nullable(Int64),
+    f_run_id String,
+    f_schema_version String,
+    f_span_id Nullable(String),
+    f_step Nullable(Int64),
+    f_stop_reason Nullable(String),
+    f_system_prompt_hash Nullable(String),
+    f_task_type String,
+    f_timed_out UInt8,
+    f_timeout_ms Nullable(Float64),
+    f_token_convention String,
+    f_tool Nullable(String),
+    f_tools_hash Nullable(String),
+    f_trace_id Nullable(String),
+    f_traffic_slice String,
+    f_ts DateTime64(3, 'UTC'),
+    f_ttft_ms Nullable(Float64),
+    f_verdict String,
+    f_worker_id String,
+    payload String,
+    extras Map(String, String),
+    kafka_partition UInt32,
+    kafka_offset UInt64,
+    ingested_at DateTime64(3, 'UTC')
+)
+ENGINE = Null;
+
+CREATE MATERIALIZED VIEW IF NOT EXISTS loopwatch.events_in_parse ON CLUSTER loopwatch TO loopwatch.events_parsed AS
+WITH
+    JSONExtract(event, 'Tuple(agent String, agent_version String, args_hash Nullable(String), attempt Int64, cache_creation_input_tokens Int64, cache_read_input_tokens Int64, cache_ttl String, cost_usd Nullable(Float64), deployment String, error_type Nullable(String), event_id String, event_type String, hallucination Nullable(UInt8), history_hash Nullable(String), http_status Nullable(Int64), input_tokens Int64, label_source String, late_completion_ms Nullable(Float64), latency_ms Float64, logical_op_id Nullable(String), model String, output_tokens Int64, parent_span_id Nullable(String), prompt_version String, provider String, purpose String, quality_score Nullable(Float64), response_model String, result_count Nullable(Int64), result_size_bytes Nullable(Int64), run_id String, schema_version String, span_id Nullable(String), step Nullable(Int64), stop_reason Nullable(String), system_prompt_hash Nullable(String), task_type String, timed_out UInt8, timeout_ms Nullable(Float64), token_convention String, tool Nullable(String), tools_hash Nullable(String), trace_id Nullable(String), traffic_slice String, ts String, ttft_ms Nullable(Float64), verdict String, worker_id String)') AS c,
+    arrayConcat(arrayFilter(field -> field.2 != 'null' AND field.1 NOT IN ('event_id', 'event_type', 'schema_version', 'ts', 'run_id', 'trace_id', 'span_id', 'parent_span_id', 'agent', 'agent_version', 'task_type', 'model', 'prompt_version', 'deployment', 'traffic_slice', 'worker_id'), JSONExtractKeysAndValuesRaw(event)), arrayZip(mapKeys(event_extra), mapValues(event_extra))) AS payload_fields
+SELECT
+    c.agent AS f_agent,
+    c.agent_version AS f_agent_version,
+    c.args_hash AS f_args_hash,
+    c.attempt AS f_attempt,
+    c.cache_creation_input_tokens AS f_cache_creation_input_tokens,
+    c.cache_read_input_tokens AS f_cache_read_input_tokens,
+    c.cache_ttl AS f_cache_ttl,
+    c.cost_usd AS f_cost_usd,
+    c.deployment AS f_deployment,
+    c.error_type AS f_error_type,
+    toUUID(c.event_id) AS f_event_id,
+    c.event_type AS f_event_type,
+    c.hallucination AS f_hallucination,
+    c.history_hash AS f_history_hash,
+    c.http_status AS f_http_status,
+    c.input_tokens AS f_input_tokens,
+    c.label_source AS f_label_source,
+    c.late_completion_ms AS f_late_completion_ms,
+    c.latency_ms AS f_latency_ms,
+    c.logical_op_id AS f_logical_op_id,
+    c.model AS f_model,
+    c.output_tokens AS f_output_tokens,
+    c.parent_span_id AS f_parent_span_id,
+    c.prompt_version AS f_prompt_version,
+    c.provider AS f_provider,
+    c.purpose AS f_purpose,
+    c.quality_score AS f_quality_score,
+    c.response_model AS f_response_model,
+    c.result_count AS f_result_count,
+    c.result_size_bytes AS f_result_size_bytes,
+    c.run_id AS f_run_id,
+    c.schema_version AS f_schema_version,
+    c.span_id AS f_span_id,
+    c.step AS f_step,
+    c.stop_reason AS f_stop_reason,
+    c.system_prompt_hash AS f_system_prompt_hash,
+    c.task_type AS f_task_type,
+    c.timed_out AS f_timed_out,
+    c.timeout_ms AS f_timeout_ms,
+    c.token_convention AS f_token_convention,
+    c.tool AS f_tool,
+    c.tools_hash AS f_tools_hash,
+    c.trace_id AS f_trace_id,
+    c.traffic_slice AS f_traffic_slice,
+    parseDateTime64BestEffort(c.ts, 3, 'UTC') AS f_ts,
+    c.ttft_ms AS f_ttft_ms,
+    c.verdict AS f_verdict,
+    c.worker_id AS f_worker_id,
+    concat('{', arrayStringConcat(arrayMap(field -> concat(toJSONString(field.1), ':', field.2), payload_fields), ','), '}') AS payload,
+    event_extra AS extras,
+    kafka_partition,
+    kafka_offset,
+    ingested_at
+FROM loopwatch.events_in
+ARRAY JOIN
+    event_objects AS event,
+    arrayResize(event_extras, length(event_objects)) AS event_extra;
+
+CREATE MATERIALIZED VIEW IF NOT EXISTS loopwatch.events_parsed_events ON CLUSTER loopwatch TO loopwatch.events AS
+SELECT
+    f_event_id AS event_id,
+    f_event_type AS event_type,
+    f_schema_version AS schema_version,
+    f_ts AS ts,
+    f_run_id AS run_id,
+    f_agent AS agent,
+    f_agent_version AS agent_version,
+    f_task_type AS task_type,
+    f_model AS model,
+    f_prompt_version AS prompt_version,
+    f_deployment AS deployment,
+    f_traffic_slice AS traffic_slice,
+    f_worker_id AS worker_id,
+    ifNull(f_trace_id, '') AS trace_id,
+    ifNull(f_span_id, '') AS span_id,
+    ifNull(f_parent_span_id, '') AS parent_span_id,
+    payload,
+    extras,
+    kafka_partition,
+    kafka_offset,
+    ingested_at
+FROM loopwatch.events_parsed;
+
+CREATE MATERIALIZED VIEW IF NOT EXISTS loopwatch.events_parsed_llm_calls ON CLUSTER loopwatch TO loopwatch.llm_calls AS
+WITH (greatest(0, f_input_tokens - f_cache_read_input_tokens - f_cache_creation_input_tokens) * transform(f_model, ['claude-sonnet-4', 'claude-sonnet-4-5', 'claude-haiku-4-5', 'claude-opus-4-1', 'gpt-4o', 'gpt-4o-mini', 'gemini-2.5-pro'], [3.0, 3.0, 1.0, 15.0, 2.5, 0.15, 1.25], 3.0) + f_cache_creation_input_tokens * transform(f_model, ['claude-sonnet-4', 'claude-sonnet-4-5', 'claude-haiku-4-5', 'claude-opus-4-1', 'gpt-4o', 'gpt-4o-mini', 'gemini-2.5-pro'], [3.0, 3.0, 1.0, 15.0, 2.5, 0.15, 1.25], 3.0) * if(f_cache_ttl = '1h', 2.0, 1.25) + f_cache_read_input_tokens * transform(f_model, ['claude-sonnet-4', 'claude-sonnet-4-5', 'claude-haiku-4-5', 'claude-opus-4-1', 'gpt-4o', 'gpt-4o-mini', 'gemini-2.5-pro'], [3.0, 3.0, 1.0, 15.0, 2.5, 0.15, 1.25], 3.0) * 0.1 + f_output_tokens * transform(f_model, ['claude-sonnet-4', 'claude-sonnet-4-5', 'claude-haiku-4-5', 'claude-opus-4-1', 'gpt-4o', 'gpt-4o-mini', 'gemini-2.5-pro'], [15.0, 15.0, 5.0, 75.0, 10.0, 0.6, 10.0], 15.0)) / 1000000 AS priced
+SELECT
+    f_event_id AS event_id,
+    f_ts AS ts,
+    f_run_id AS run_id,
+    f_agent AS agent,
+    f_task_type AS task_type,
+    f_model AS model,
+    f_prompt_version AS prompt_version,
+    f_deployment AS deployment,
+    f_traffic_slice AS traffic_slice,
+    f_response_model AS response_model,
+    f_provider AS provider,
+    f_purpose AS purpose,
+    f_step AS step,
+    f_input_tokens AS input_tokens,
+    f_output_tokens AS output_tokens,
+    f_cache_read_input_tokens AS cache_read_input_tokens,
+    f_cache_creation_input_tokens AS cache_creation_input_tokens,
+    f_cache_ttl AS cache_ttl,
+    f_token_convention AS token_convention,
+    f_latency_ms AS latency_ms,
+    f_ttft_ms AS ttft_ms,
+    f_attempt AS attempt,
+    greatest(0, f_input_tokens - f_cache_read_input_tokens - f_cache_creation_input_tokens) AS uncached_input_tokens,
+    priced AS cost_usd,
+    f_cost_usd AS reported_cost_usd,
+    if(isNull(f_cost_usd), 0, abs(assumeNotNull(f_cost_usd) - priced) > 0.01 * greatest(abs(priced), 1e-9) + 1e-9) AS cost_mismatch,
+    '2026-11-01' AS price_version,
+    ifNull(f_http_status, 0) AS http_status,
+    ifNull(f_http_status, 0) = 429 AS rate_limited,
+    (isNotNull(f_error_type) AND ifNull(f_http_status, 0) != 429) AS is_error,
+    ifNull(f_error_type, '') AS error_type,
+    ifNull(f_logical_op_id, '') AS logical_op_id,
+    ifNull(f_stop_reason, '') AS stop_reason,
+    ifNull(f_system_prompt_hash, '') AS system_prompt_hash,
+    ifNull(f_tools_hash, '') AS tools_hash,
+    ifNull(f_history_hash, '') AS history_hash,
+    ingested_at,
+    4 AS agent_rank
+FROM loopwatch.events_parsed
+WHERE f_event_type = 'llm.call' AND NOT mapContains(extras, 'otel_agent_rank');
+
+CREATE MATERIALIZED VIEW IF NOT EXISTS loopwatch.events_parsed_tool_calls ON CLUSTER loopwatch TO loopwatch.tool_calls AS
+SELECT
+    f_event_id AS event_id,
+    f_ts AS ts,
+    f_run_id AS run_id,
+    f_agent AS agent,
+    f_task_type AS task_type,
+    f_model AS model,
+    f_prompt_version AS prompt_version,
+    f_deployment AS deployment,
+    f_traffic_slice AS traffic_slice,
+    f_step AS step,
+    f_latency_ms AS latency_ms,
+    f_timeout_ms AS timeout_ms,
+    f_timed_out AS timed_out,
+    f_late_completion_ms AS late_completion_ms,
+    f_result_count AS result_count,
+    f_result_size_bytes AS result_size_bytes,
+    f_attempt AS attempt,
+    ifNull(f_tool, '') AS tool,
+    ifNull(f_args_hash, '') AS args_hash,
+    ifNull(f_error_type, '') AS error_type,
+    if(f_timed_out AND isNotNull(f_timeout_ms) AND isNotNull(f_late_completion_ms), toUInt8(assumeNotNull(f_late_completion_ms) <= 1.3 * assumeNotNull(f_timeout_ms)), NULL) AS near_miss,
+    ifNull(f_http_status, 0) AS http_status,
+    (f_timed_out OR (isNotNull(f_error_type) AND ifNull(f_http_status, 0) != 429)) AS is_error,
+    ingested_at,
+    4 AS agent_rank
+FROM loopwatch.events_parsed
+WHERE f_event_type = 'tool.call' AND NOT mapContains(extras, 'otel_agent_rank');
+
+CREATE MATERIALIZED VIEW IF NOT EXISTS loopwatch.events_parsed_labels ON CLUSTER loopwatch TO loopwatch.labels AS
+SELECT
+    f_event_id AS event_id,
+    f_ts AS ts,
+    f_run_id AS run_id,
+    f_agent AS agent,
+    f_verdict AS verdict,
+    f_label_source AS label_source,
+    f_quality_score AS quality_score,
+    f_hallucination AS hallucination,
+    ingested_at
+FROM loopwatch.events_parsed
+WHERE f_event_type = 'label' AND NOT mapContains(extras, 'otel_agent_rank');
+
 -- retention
 --   events: 30 days by ingested_at (raw events (replay, reprocess, investigations))
 --   dead_letters: 30 days by received_at (refused raw input)
@@ -835,3 +1039,14 @@ ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/all/{database}/schema_
 ORDER BY name;
 
 INSERT INTO loopwatch.schema_migrations (name, checksum, applied_at, how) VALUES ('001_tables.sql', 'e3eb8a4006cd5d08606a007182ef47cbc4937cd0bda877df524507ad971a83f8', now64(3), 'cluster.sql'), ('002_metric_views.sql', '9202fdc6febff65a49b7334e231875c16badce7fb29714e8e008eb114c1a6938', now64(3), 'cluster.sql'), ('003_alerts.sql', '37bc19c79eb3199bcb64b0204509850f6121b43f116fb0bf1ec75e7afa8fbc04', now64(3), 'cluster.sql'), ('004_gauges.sql', 'a6963d27e10ec99944d4c6c38dd585655525418ebab2439840cf24d124065cab', now64(3), 'cluster.sql'), ('005_capture.sql', '01a58ad02ece43531633d61c90745016f754a71fda3813c1ee4be3c81ba4d1b2', now64(3), 'cluster.sql'), ('006_events_in.sql', '207a5e23d2e481f2f69a034dde938b1e4d8af2aa25817e02bb091bedf6006573', now64(3), 'cluster.sql'), ('007_ingested_at.sql', '4fdee98e014c8e1b8ddd081c7ad87907e4fc7a9acaf8c99af0cb42764c91da70', now64(3), 'cluster.sql'), ('008_minutes.sql', 'c5b704741a8c658771355756948e57c486dc15cfa21c072e0b5d3c98bc2d3981', now64(3), 'cluster.sql'), ('009_cache_token_names.sql', '47236eb989556b044d00c9dfa42ea4e8eec07c2e20f9fac3870897c9d0cc414f', now64(3), 'cluster.sql'), ('010_agent_revisions.sql', 'dd4660b92beb1fbb182e7054f887c47939364ddcf86cf71a5e011314af5aeafb', now64(3), 'cluster.sql'), ('011_cache_prefix_hashes.sql', '02d34c1be7c223a4cdf0423392b5d623335087594e38a6d1cc6b2ff6d5e1bfb9', now64(3), 'cluster.sql'), ('012_retry_amplification.sql', 'd3309981879906a3c2683c4bca99753cf87d22395a93bd03f815514bc9780f8c', now64(3), 'cluster.sql');
+
+CREATE TABLE IF NOT EXISTS loopwatch.generated_views ON CLUSTER loopwatch
+(
+    name          String,
+    content_hash  String,
+    applied_at    DateTime64(3, 'UTC')
+)
+ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/all/{database}/generated_views', '{replica}', applied_at)
+ORDER BY name;
+
+INSERT INTO loopwatch.generated_views (name, content_hash, applied_at) VALUES ('event_views', '68a2dc7c76a7db2eaf20d33ddcf9e59d5b2d7129cf67933547a3b1a8ffa9d6fb', now64(3));

@@ -70,7 +70,9 @@ def reprocess_with(client: Client, settings: Settings, since: datetime,
     for start in range(0, len(run_ids), chunk):
         batch = run_ids[start:start + chunk]
         store = MemoryRunStore()
-        pipeline = Pipeline(settings, store)
+        # its rows priced with these settings, not the store's views' (which would
+        # price them with the running processors' table): no events_in rows are written
+        pipeline = Pipeline(settings, store, python_rows=True)
         messages = [
             RawMessage(settings.events_topic, int(partition), int(offset),
                        event_json(dict(zip(EVENT_COLUMNS, columns, strict=True)), payload))

@@ -78,6 +78,10 @@ class SampleFleet:
     def __init__(self, now: datetime, seed: int = 7) -> None:
         self.now = now
         self.rng = random.Random(seed)
+        #: run ids differ per build (the same seed at another ``now``): a store seeded
+        #: twice, e.g. a test session longer than ensure_seeded's 20 minutes, then holds
+        #: two samples side by side instead of one run with every event twice
+        self.salt = uuid.uuid5(uuid.NAMESPACE_URL, f"sample:{now.isoformat()}").int
         self.events: list[EventBase] = []
         self.run_ids: list[str] = []
 
@@ -107,7 +111,7 @@ class SampleFleet:
 
     def run(self, agent: Agent, start: datetime, outcome: str, open_run: bool = False) -> str:
         rng = self.rng
-        run_id = f"sample-{uuid.UUID(int=rng.getrandbits(128)).hex[:20]}"
+        run_id = f"sample-{uuid.UUID(int=rng.getrandbits(128) ^ self.salt).hex[:20]}"
         common: dict[str, Any] = {
             "run_id": run_id, "agent": agent.name, "task_type": rng.choice(agent.task_types),
             **self.versions(agent, start), "agent_version": "1.4.2",

@@ -12,10 +12,10 @@ EVENTS: Final = "events"
 #: raw Kafka messages as they came in (the processors' own stream of record)
 EVENTS_IN: Final = "events_in"
 #: every event of ``events_in`` once, parsed into typed columns (a Null table the generated
-#: views create and read: loopwatch/store/event_views.py; not a migration's)
+#: views create and read: store/event_views.py; not a migration's)
 EVENTS_PARSED: Final = "events_parsed"
 #: what generated schema a store has: name -> the sha256 of its text (a record, like
-#: ``schema_migrations``: created by loopwatch/store/event_views.py, not a migration)
+#: ``schema_migrations``: created by store/event_views.py, not a migration)
 GENERATED_VIEWS: Final = "generated_views"
 #: one row per run, its last write (labelled outcome, cost, steps)
 RUNS: Final = "runs"

@@ -23,6 +23,7 @@ REFUSED: dict[tuple[str, str], tuple[list[str], list[str]]] = {
     ("bench", "--events"): (["0"], []),
     ("bench", "--workers"): (["0", "3"], []),
     ("bench", "--query-events"): (["-1"], []),
+    ("bench", "--otlp-traces"): (["0", "-2"], []),
     ("demo", "--duration"): (["-5", "0"], []),
     ("demo", "--rate"): (["0", "-1"], []),
     ("dlq list", "--limit"): (["-1"], []),

@@ -489,3 +489,18 @@ def test_deploy_command_reports_errors_and_success(grafana, tmp_path):
     good = runner.invoke(cli(), [*args, "--token", "good-token"])
     assert good.exit_code == 0, good.output
     assert "loopwatch-realtime" in good.output
+
+
+def test_two_sample_builds_share_no_run():
+    """A session longer than ensure_seeded's 20 minutes seeds the shared store twice: the
+    second sample must be runs of its own, not the first runs' events again at new times
+    (the loop run's drill-down then showed each repeated call twice)."""
+    from loopwatch.dashboards.sample import build
+
+    now = datetime(2026, 12, 2, 5, 0, tzinfo=UTC)
+    first, first_runs = build(now, days=1)
+    _, again_runs = build(now, days=1)
+    later, later_runs = build(now + timedelta(minutes=25), days=1)
+    assert first_runs == again_runs  # one build is still reproducible
+    assert not {e.run_id for e in first if e.run_id} & {e.run_id for e in later if e.run_id}
+    assert len(first_runs) == len(later_runs) > 100

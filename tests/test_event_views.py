@@ -1,4 +1,4 @@
-"""The store's generated views (loopwatch/store/event_views.py) against the Python rows
+"""The store's generated views (store/event_views.py) against the Python rows
 they replace, in the real chdb store.
 
 - on the bench's event mix (plus events with extras, which take pydantic's route, and

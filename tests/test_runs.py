@@ -188,7 +188,7 @@ def test_a_label_before_its_run_makes_no_run_and_is_applied_once_when_it_comes()
     first = pipeline.process(messages(label))
     assert run_rows(first) == []
     # stored all the same: the label's row is written by the store's views from its
-    # events_in row (loopwatch/store/event_views.py), not built here
+    # events_in row (store/event_views.py), not built here
     assert "labels" not in first.rows.tables
     assert [event["event_type"] for row in first.rows.tables["events_in"]
             for event in orjson.loads(orjson.dumps(row["event_objects"]))] == ["label"]

@@ -10,6 +10,7 @@ machine and CI run the tests as root; elsewhere those tests are skipped and say 
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
@@ -274,16 +275,31 @@ def test_a_socket_path_too_long_for_unix_binds_a_private_temporary_one(local_sto
 # -- a web page on another origin, in a real browser --------------------------------------
 
 
+def family(pid: int) -> list[int]:
+    """``pid`` and every process below it (``up``'s OTLP receiver is a child process)."""
+    found, queue = [], [pid]
+    while queue:
+        current = queue.pop()
+        found.append(current)
+        for children in Path(f"/proc/{current}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                queue.extend(int(child) for child in children.read_text().split())
+    return found
+
+
 def listening_ports(pid: int) -> list[int]:
-    """The TCP ports process ``pid`` listens on (its socket inodes in /proc/net/tcp*)."""
+    """The TCP ports process ``pid`` and its children listen on (their socket inodes in
+    /proc/net/tcp*)."""
     inodes = set()
-    for descriptor in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(descriptor)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
+    for member in family(pid):
+        with contextlib.suppress(OSError):
+            for descriptor in Path(f"/proc/{member}/fd").iterdir():
+                try:
+                    target = os.readlink(descriptor)
+                except OSError:
+                    continue
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
     ports = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:

@@ -43,11 +43,11 @@ log = logging.getLogger(__name__)
 
 #: a chunk of a taken batch is folded and its raw events (``events_in`` rows) written
 #: together: about this many bytes of messages, each counted as its size plus
-#: ``CHUNK_MESSAGE_BYTES`` (so single events count too). Every insert into chdb costs
-#: ~10 ms whatever its size: 8 MB (~25k bench events) took 35.6k events/s, 4 MB 32.8k,
-#: and 16 MB 34.5k while doubling the rows a chunk holds in memory (one 500k-event run
-#: each, so +-5 %).
-CHUNK_BYTES = 8_000_000
+#: ``CHUNK_MESSAGE_BYTES`` (so single events count too). An insert through the generated
+#: views (loopwatch.store.event_views) has a fixed cost of tens of ms: 32 MB (~100k
+#: bench events) stored at 12.8 µs of CPU an event against 25.5 at 8 MB, and one worker
+#: took 55.6k events/s against 38.7k (`loopwatch bench --events 500000`, 2026-12-02).
+CHUNK_BYTES = 32_000_000
 CHUNK_MESSAGE_BYTES = 400
 #: the table written with every chunk (the raw events); the others (a few rows per run)
 #: wait for the batch's last write, or until ``DEFERRED_MAX_ROWS`` of them wait

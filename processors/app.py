@@ -112,7 +112,7 @@ def chunks(messages: list[RawMessage]) -> Iterator[list[RawMessage]]:
     """Consecutive runs of messages of about ``CHUNK_BYTES`` (a batch's fold-and-write
     units).
 
-    >>> sizes = [len(c) for c in chunks([RawMessage("t", 0, n, b"x" * 3_000_000)
+    >>> sizes = [len(c) for c in chunks([RawMessage("t", 0, n, b"x" * 12_000_000)
     ...                                  for n in range(7)])]
     >>> sizes
     [3, 3, 1]

@@ -131,13 +131,16 @@ def demo(
     seed: Annotated[int, typer.Option(help="simulator seed")] = 7,
     as_json: JsonFlag = False,
 ) -> None:
-    """Start the embedded stack, run a simulated agent fleet through it, report per agent."""
+    """Start the embedded stack, run a simulated agent fleet through it, report per agent.
+
+    Progress goes to stderr also with ``--json`` (whose report alone is stdout), so that
+    a scripted demo still shows it is alive."""
     from loopwatch.demo import run_demo
 
     settings = settings_from(data_dir, abandon_ttl_s=20.0, idle_advance_s=3.0,
                              late_allowance_s=2.0, detect_interval_s=2.0)
     report = run_demo(settings, duration_s=duration, rate=rate, seed=seed,
-                      progress=not as_json, console=console)
+                      progress=True, console=console)
     if as_json:
         sys.stdout.write(json.dumps(report) + "\n")
     else:

@@ -107,9 +107,17 @@ def test_reprocess_refuses_a_since_that_is_not_an_iso_time(tmp_path: Path):
 
 @pytest.mark.stack  # runs `loopwatch demo`: its own broker and `up`
 def test_demo_reports_every_outcome_exactly_as_the_fleet_planned_it(tmp_path: Path):
+    """Also the piped demo's progress: lines while it simulates and while it drains on
+    stderr (not two lines and then silence until the report), the report alone on
+    stdout."""
     result = loopwatch("demo", "--duration", "20", "--rate", "6", "--seed", "11", "--json",
-                       "--data-dir", str(tmp_path), timeout=400)
+                       "--data-dir", str(tmp_path), env={"COLUMNS": "200"}, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stderr.splitlines()
+    simulating = [line for line in lines if line.startswith("simulating  ")]
+    draining = [line for line in lines if line.startswith("draining  ")]
+    assert simulating and draining, result.stderr[-3000:]
+    assert "events sent" in simulating[0] and "runs closed" in draining[-1]
     report = orjson.loads(result.stdout)
     assert set(report) >= {"events", "runs", "agents", "store"}
     assert report["events"] == report["emitted_events"]

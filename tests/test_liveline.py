@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 
-import pytest
 from rich.console import Console
 
 from loopwatch.liveline import LiveLine
@@ -39,17 +38,4 @@ def test_a_disabled_line_prints_nothing():
     assert output.getvalue() == ""
 
 
-@pytest.mark.stack  # runs `loopwatch demo`: its own broker and `up`
-def test_a_piped_demo_prints_its_progress(tmp_path):
-    """``loopwatch demo`` with its output captured: progress lines while it simulates and
-    while it drains, not two lines and then silence until the report."""
-    from tests.test_cli import loopwatch
-
-    result = loopwatch("demo", "--duration", "6", "--rate", "2", "--data-dir", str(tmp_path),
-                       env={"COLUMNS": "200"}, timeout=400)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = result.stderr.splitlines()
-    simulating = [line for line in lines if line.startswith("simulating  ")]
-    draining = [line for line in lines if line.startswith("draining  ")]
-    assert simulating and draining, result.stderr[-3000:]
-    assert "events sent" in simulating[0] and "runs closed" in draining[-1]
+# The piped demo's progress lines: tests/test_cli.py, beside the demo's report.

@@ -86,7 +86,8 @@ def apply_event(
     elif isinstance(event, ToolCall):
         state.tool_calls += 1
         state.tool_errors += int(event.is_error)
-        _detect_loop(state, f"{event.tool}:{event.args_hash}", loop_window, loop_repeats)
+        if event.attempt == 1:  # changed with the lean fold: retries are not loops
+            _detect_loop(state, f"{event.tool}:{event.args_hash}", loop_window, loop_repeats)
     elif isinstance(event, RunEnd):
         state.end_ms = when
         state.abandoned_ms = None

@@ -416,7 +416,8 @@ def apply_event(
         tool: ToolCall = event  # type: ignore[assignment]
         state.tool_calls += 1
         state.tool_errors += tool.is_error
-        _detect_loop(state, f"{tool.tool}:{tool.args_hash}", loop_window, loop_repeats)
+        if tool.attempt == 1:  # a retry repeats the call, not the agent's decision
+            _detect_loop(state, f"{tool.tool}:{tool.args_hash}", loop_window, loop_repeats)
     elif kind == STEP:
         state.steps += 1
     elif kind == RUN_START:

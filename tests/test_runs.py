@@ -66,6 +66,17 @@ def test_three_identical_calls_spread_over_eleven_do_not_trip():
     assert not fold(*calls).loop_detected
 
 
+def test_retries_of_one_call_are_not_a_loop_but_the_agent_calling_it_again_is():
+    """A call retried (``attempt`` 2, 3, ...) is one action of the agent's, not three:
+    the retry storm playbook's case, not the loop's."""
+    retried = [ev(ToolCall, i, tool="grep", args_hash="same", attempt=i + 1) for i in range(5)]
+    state = fold(ev(RunStart), *retried, ev(RunEnd, 20, terminal_reason="model_done"))
+    assert not state.loop_detected and state.outcome == "success"
+    state = fold(ev(RunStart), *retried, grep(6, "same"), grep(7, "same"))
+    assert state.loop_detected
+    assert state.loop_summary == "grep called 3x with args same within 10 tool calls"
+
+
 def test_loop_threshold_is_configurable():
     calls = [grep(i, "same") for i in range(3)]
     assert not fold(*calls, repeats=4).loop_detected

@@ -695,7 +695,9 @@ def wait_group_stable(bootstrap: str, group: str, members: int, timeout_s: float
         time.sleep(0.5)
 
 
-def _wait_lag_zero(bootstrap: str, group: str, topic: str, timeout_s: float = 120) -> None:
+def _wait_lag_zero(bootstrap: str, group: str, topic: str, timeout_s: float = 300) -> None:
+    """Until ``group`` has committed all of ``topic``. Generous: on a loaded machine a
+    group join alone has taken 25 s, and the bench smoke once ran out of 120 s here."""
     probe = LagProbe(bootstrap, group, topic)
     try:
         deadline = time.monotonic() + timeout_s

@@ -44,16 +44,15 @@ os.umask(0o022)
 STACK_FIXTURES = frozenset({"broker", "alertmanager", "pipeline", "browser"})
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's loadgroup reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_itemcollected(item: pytest.Item) -> None:
     """Mark the stack tier, and keep it on one xdist worker (``--dist loadgroup``), in
     order: its tests share that worker's one broker and ``up``, while the fast tier's
-    tests go to either worker."""
-    for item in items:
-        if STACK_FIXTURES.intersection(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.stack)
-        if item.get_closest_marker("stack"):
-            item.add_marker(pytest.mark.xdist_group("stack"))
+    tests go to either worker. Per item as it is collected: xdist reads the groups in
+    its ``pytest_collection_modifyitems``, which may run before this project's."""
+    if STACK_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        item.add_marker(pytest.mark.stack)
+    if item.get_closest_marker("stack"):
+        item.add_marker(pytest.mark.xdist_group("stack"))
 
 
 PIPELINE_ENV = {

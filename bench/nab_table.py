@@ -45,7 +45,8 @@ from loopwatch.detectors.anomaly.generic import GenericDetector
 from loopwatch.detectors.anomaly.refractory import Refractory
 from loopwatch.detectors.anomaly.registry import DEFAULT_DETECTOR, DETECTORS, EPISODIC
 
-ROWS = ("generic", "episodic", "contextual", "ensemble", "windowed_gaussian")
+ROWS = ("generic", "episodic", "corroborated", "resonance", "cad_ose", "contextual", "ensemble",
+        "windowed_gaussian")
 """Detectors in the table: today's default, the new ones, NAB's baseline."""
 
 def _episodic(rest: int, level: float) -> Callable[[], AnomalyDetector]:

@@ -34,9 +34,10 @@ def episodic() -> AnomalyDetector:
 
 def corroborated() -> AnomalyDetector:
     """``episodic``, raised where the adaptive-resonance detector saw a new shape (the
-    default): 0.3 x its highest score over the last 25 points is added to each episode."""
-    return Corroborated(episodic(), ResonanceDetector(), weight=0.3, memory=25,
-                        name="corroborated")
+    default): 0.3 x its highest score over the last 25 points is added to each episode
+    opening, and the sum pages once per episode (the same 150-point rest)."""
+    raised = Corroborated(episodic(), ResonanceDetector(), weight=0.3, memory=25)
+    return Refractory(raised, rest=150, level=0.45, name="corroborated")
 
 
 def cad_ose() -> AnomalyDetector:

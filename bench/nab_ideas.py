@@ -37,10 +37,12 @@ from loopwatch.bench.nab_score import (
 from loopwatch.bench.nab_table import DEFAULT_CACHE, score_family
 from loopwatch.detectors.anomaly.base import AnomalyDetector, surprise_from_log10
 from loopwatch.detectors.anomaly.contextual import ContextNovelty
+from loopwatch.detectors.anomaly.corroborated import Corroborated
 from loopwatch.detectors.anomaly.generic import GenericDetector
 from loopwatch.detectors.anomaly.likelihood import AnomalyLikelihood
 from loopwatch.detectors.anomaly.refractory import Refractory
 from loopwatch.detectors.anomaly.registry import EPISODIC
+from loopwatch.detectors.anomaly.resonance import ResonanceDetector
 
 Scores = dict[str, FloatArray]
 """One detector's online scores, by file."""
@@ -54,6 +56,19 @@ INNER: dict[str, Callable[[], AnomalyDetector]] = {
 """The inner detectors the ideas combine: episodic's generic, the same on a 60-point
 window, the same on the seasonal baseline alone (same hour yesterday / last week), and
 the CAD-OSE-like contextual novelty."""
+
+RESONANCE: dict[str, tuple[int, float]] = {
+    f"warm-up {w}, margin {m}": (w, m)
+    for w, m in ((750, 0.0), (750, 0.25), (750, 0.5), (600, 0.0), (600, 0.25))
+}
+"""The adaptive-resonance settings measured (issue 29, third pass: warm-up, margin)."""
+
+
+def _resonance(warmup: int, margin: float) -> Callable[[], AnomalyDetector]:
+    return lambda: ResonanceDetector(warmup=warmup, margin=margin)
+
+
+INNER.update({f"resonance {k}": _resonance(*v) for k, v in RESONANCE.items()})
 
 
 class Replay:
@@ -103,6 +118,21 @@ def likelihood(scores: Scores) -> Scores:
     return out
 
 
+def corroborate(primary: Scores, witness: Scores, weight: float, memory: int) -> Scores:
+    """:class:`Corroborated` over each file's primary and witness scores, inside the same
+    :class:`Refractory` as the registered ``corroborated`` (one page per episode)."""
+    out = {}
+    for name, scores in primary.items():
+        raised = Corroborated(Replay(scores), Replay(witness[name]), weight, memory)
+        wrapper = Refractory(raised, rest=150, level=0.45)
+        result = np.empty(len(scores))
+        for i in range(len(scores)):
+            result[i] = wrapper.score_one(0.0)
+            wrapper.learn_one(0.0)
+        out[name] = result
+    return out
+
+
 def combine(f: Callable[..., FloatArray], *members: Scores) -> Scores:
     return {name: np.clip(f(*(m[name] for m in members)), 0.0, 1.0) for name in members[0]}
 
@@ -112,8 +142,9 @@ def ideas(inner: dict[str, Scores]) -> dict[str, dict[str, Scores]]:
     g, g60, seasonal, ctx = (inner[k] for k in ("generic", "generic60", "seasonal",
                                                 "contextual"))
     ctx_lik = likelihood(ctx)
-    warm = {k: np.where(np.arange(len(v)) < 1000, 0.0, v)
-            for k, v in refractory(g).items()}
+    episodic = refractory(g)
+    warm = {k: np.where(np.arange(len(v)) < 1000, 0.0, v) for k, v in episodic.items()}
+    witnesses = {k: inner[f"resonance {k}"] for k in RESONANCE}
     return {
         "episodic (today: rest 150, level 0.45)": {"": refractory(g)},
         "episodic, quiet level = threshold (level chosen LOO)": {
@@ -135,6 +166,16 @@ def ideas(inner: dict[str, Scores]) -> dict[str, dict[str, Scores]]:
             "mean": refractory(combine(lambda a, b, c: (a + b + c) / 3, g, g60, seasonal))},
         "episodic silent for its first 1000 points (NAB-only: blinds a 1-day rule)": {
             "": warm},
+        "resonance alone (ARTime's method, online; settings chosen LOO)": witnesses,
+        "corroborated, first grid (margin 0.25; memory 0/50/150 x weight 0.05/0.1/0.2)": {
+            f"memory {k}, weight {w}": corroborate(
+                episodic, witnesses["warm-up 750, margin 0.25"], w, k)
+            for k in (0, 50, 150) for w in (0.05, 0.1, 0.2)},
+        "corroborated: episodic + w x recent resonance (5 settings x memory 25/50/100 x "
+        "weight 0.2/0.3/0.5/1.0)": {
+            f"{r}; memory {k}, weight {w}": corroborate(episodic, witness, w, k)
+            for r, witness in witnesses.items()
+            for k in (25, 50, 100) for w in (0.2, 0.3, 0.5, 1.0)},
     }
 
 

@@ -186,9 +186,10 @@ def test_score_one_changes_nothing(name: str) -> None:
 
 
 def test_registry() -> None:
-    assert DEFAULT_DETECTOR == "episodic"  # issue 29: generic inside a refractory period
+    assert DEFAULT_DETECTOR == "corroborated"  # issue 29: episodic, corroborated by resonance
     assert {"robust_z", "ewma", "cusum", "proportion", "seasonal", "ks", "generic",
-            "episodic", "contextual", "ensemble", "windowed_gaussian"} <= set(DETECTORS)
+            "episodic", "corroborated", "resonance", "cad_ose", "contextual", "ensemble",
+            "windowed_gaussian"} <= set(DETECTORS)
     for name, factory in DETECTORS.items():
         det = factory()
         assert isinstance(det, AnomalyDetector)

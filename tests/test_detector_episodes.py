@@ -41,11 +41,10 @@ def shifted(n: int = 1500, at: int = 1200, size: float = 8.0) -> list[float]:
     return [float(v) for v in values]
 
 
-def test_default_is_episodic_and_pages_once_per_level_shift() -> None:
+def test_episodic_pages_once_per_level_shift() -> None:
     values, times = shifted(), minutes(1500)
     generic = score_series(GenericDetector(), values, times)
-    episodic = score_series(DETECTORS[DEFAULT_DETECTOR](), values, times)
-    assert DEFAULT_DETECTOR == "episodic"
+    episodic = score_series(DETECTORS["episodic"](), values, times)
     # After the warm-up: generic pages 5 times in 300 points of the new level; episodic
     # once, and once more only after its 150-point rest period.
     assert [i for i, s in enumerate(generic[400:], 400) if s >= 0.45] == [
@@ -65,18 +64,47 @@ def test_refractory_reopens_after_the_rest_period() -> None:
     assert [i for i, s in enumerate(long) if s >= 0.45] == [600]
 
 
-def test_detect_csv_default_writes_the_episodic_scores() -> None:
+def test_default_is_episodic_corroborated_by_resonance_and_pages_once() -> None:
+    """On the level shift, resonance is still warming up at 1200 (750 points, then a
+    batch), so the default pages exactly where episodic does; it is episodic's score
+    plus 0.3 x resonance's recent best, one page per episode."""
+    values, times = shifted(), minutes(1500)
+    default = score_series(DETECTORS[DEFAULT_DETECTOR](), values, times)
+    episodic = score_series(DETECTORS["episodic"](), values, times)
+    assert DEFAULT_DETECTOR == "corroborated"
+    assert [i for i, s in enumerate(default) if s >= 0.45] == [1200, 1443]
+    assert default[1200] == 1.0
+    assert all(d == 0.0 for d, e in zip(default, episodic, strict=True) if e == 0.0)
+
+
+def test_corroborated_catches_the_window_episodic_rates_below_the_line() -> None:
+    """NAB's ambient temperature, second window (rows 5999-6361): episodic's best score
+    there is below 0.40; resonance finds a window shape it has never seen at 6173
+    (0.743), which lifts episodic's opening at 6174 over the fitted threshold (0.4513)."""
+    if not (NAB / "combined_windows.json").exists():
+        pytest.skip(f"NAB subset not at {NAB}")
+    series = next(s for s in load_corpus(NAB, ["realKnownCause/ambient"]))
+    assert series.windows[1] == (5999, 6361)
+    default = run_detector(DETECTORS["corroborated"](), series)[5999:6362]
+    episodic = run_detector(DETECTORS["episodic"](), series)[5999:6362]
+    assert episodic.max() < 0.40
+    assert int(np.flatnonzero(default >= 0.4513)[0]) + 5999 == 6174
+    assert default[6174 - 5999] == pytest.approx(0.4641349536868118, abs=1e-12)
+
+
+def test_detect_csv_default_writes_the_default_detectors_scores() -> None:
     values, times = shifted(), minutes(1500)
     body = "timestamp,value\n" + "".join(
         f"{t.isoformat(sep=' ')},{v!r}\n" for t, v in zip(times, values, strict=True))
     out = io.StringIO()
     assert score_csv(io.StringIO(body), out) == 1500
     written = [float(line.split(",")[2]) for line in out.getvalue().splitlines()[1:]]
-    expected = score_series(DETECTORS["episodic"](), values, times)
+    expected = score_series(DETECTORS["corroborated"](), values, times)
     assert written == [float(format(s, ".6g")) for s in expected]
 
 
-@pytest.mark.parametrize("name", ["episodic", "contextual", "ensemble"])
+@pytest.mark.parametrize(
+    "name", ["episodic", "contextual", "ensemble", "corroborated", "resonance", "cad_ose"])
 def test_new_detectors_never_look_ahead_on_a_nab_series(name: str) -> None:
     """Prefix invariance on a real series: scoring the first 2500 rows alone gives
     exactly the first 2500 scores of the whole file."""
@@ -175,7 +203,7 @@ def test_cost_anomaly_rule_does_not_page_on_a_young_series_record() -> None:
     values = young_record()
     rows = [{"agent": "research-agent", "t": START + timedelta(minutes=5 * i), "value": v}
             for i, v in enumerate(values)]
-    assert rule.detector == DEFAULT_DETECTOR == "episodic"
+    assert rule.detector == DEFAULT_DETECTOR == "corroborated"
     (finding,) = evaluate(rule, rows, series={})
     assert (finding.state, finding.extra["score"]) == ("inactive", 0.0)
     (before,) = evaluate(replace(rule, detector="generic"), rows, series={})
@@ -227,3 +255,55 @@ def test_nab_ideas_replays_the_episode_logic_exactly() -> None:
         direct.append(surprise_from_log10(model.log10_tail(float(value))))
         model.learn(float(value))
     assert likelihood({"f": raw})["f"].tolist() == direct
+
+
+def test_nab_ideas_corroborate_replays_the_default_exactly() -> None:
+    """bench/nab_ideas scores the corroborated family by replaying episodic's and
+    resonance's scores through Corroborated and Refractory: on a NAB series where the
+    boost decides a window, the replay equals the registered detector, point for point."""
+    from loopwatch.bench.nab_ideas import corroborate
+    from loopwatch.detectors.anomaly.resonance import ResonanceDetector
+
+    if not (NAB / "combined_windows.json").exists():
+        pytest.skip(f"NAB subset not at {NAB}")
+    series = next(s for s in load_corpus(NAB, ["realKnownCause/ambient"]))
+    witness = run_detector(ResonanceDetector(), series)
+    primary = run_detector(DETECTORS["episodic"](), series)
+    replayed = corroborate({"f": primary}, {"f": witness}, 0.3, 25)["f"]
+    direct = run_detector(DETECTORS["corroborated"](), series)
+    assert replayed.tolist() == direct.tolist()
+    assert witness[6173] == 0.743031
+    assert direct[6174] == pytest.approx(primary[6174] + 0.3 * 0.743031, abs=1e-12)
+
+
+@pytest.mark.parametrize("name", ["resonance", "cad_ose", "corroborated"])
+@pytest.mark.parametrize("values", [
+    [3.0] * 2000,                                   # flat: nothing is ever new
+    [float(i % 2) for i in range(40)],              # shorter than any warm-up
+    [0.0] * 900 + [1e300, -1e300] + [0.0] * 300,    # extremes after a flat warm-up
+], ids=["flat", "short", "extremes"])
+def test_new_detectors_on_degenerate_series(name: str, values: list[float]) -> None:
+    times = minutes(len(values))
+    scores = score_series(DETECTORS[name](), values, times)
+    assert all(0.0 <= s <= 1.0 for s in scores)
+    if len(set(values)) > 1 and len(values) >= 100:
+        return
+    if name == "corroborated":  # resonance silent: episodic's own scores, unchanged
+        assert scores == score_series(DETECTORS["episodic"](), values, times)
+    else:
+        assert max(scores) == 0.0
+
+
+def test_new_detectors_refuse_impossible_settings() -> None:
+    from loopwatch.detectors.anomaly.cad import ContextualAnomalyDetector
+    from loopwatch.detectors.anomaly.corroborated import Corroborated
+    from loopwatch.detectors.anomaly.resonance import ResonanceDetector
+
+    with pytest.raises(ValueError, match="power of two"):
+        ResonanceDetector(window=6)
+    with pytest.raises(ValueError, match="warmup"):
+        ResonanceDetector(warmup=50)
+    with pytest.raises(ValueError, match="bits"):
+        ContextualAnomalyDetector(bits=0)
+    with pytest.raises(ValueError, match="weight"):
+        Corroborated(GenericDetector(), GenericDetector(), weight=1.5)

@@ -6,7 +6,9 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from loopwatch.detectors.anomaly.base import AnomalyDetector
+from loopwatch.detectors.anomaly.cad import ContextualAnomalyDetector
 from loopwatch.detectors.anomaly.contextual import ContextNovelty
+from loopwatch.detectors.anomaly.corroborated import Corroborated
 from loopwatch.detectors.anomaly.cusum import Cusum
 from loopwatch.detectors.anomaly.ensemble import MaxEnsemble
 from loopwatch.detectors.anomaly.ewma import EWMALevelShift
@@ -15,6 +17,7 @@ from loopwatch.detectors.anomaly.generic import GenericConfig, GenericDetector
 from loopwatch.detectors.anomaly.ks import KSShift
 from loopwatch.detectors.anomaly.proportion import ProportionDetector
 from loopwatch.detectors.anomaly.refractory import Refractory
+from loopwatch.detectors.anomaly.resonance import ResonanceDetector
 from loopwatch.detectors.anomaly.robust_z import RobustZScore
 from loopwatch.detectors.anomaly.seasonal import SeasonalBaseline
 
@@ -27,6 +30,19 @@ changes no score."""
 def episodic() -> AnomalyDetector:
     """``generic``'s residual likelihood, paging once per episode (the default)."""
     return Refractory(GenericDetector(EPISODIC), rest=150, level=0.45, name="episodic")
+
+
+def corroborated() -> AnomalyDetector:
+    """``episodic``, raised where the adaptive-resonance detector saw a new shape (the
+    default): 0.3 x its highest score over the last 25 points is added to each episode
+    opening, and the sum pages once per episode (the same 150-point rest)."""
+    raised = Corroborated(episodic(), ResonanceDetector(), weight=0.3, memory=25)
+    return Refractory(raised, rest=150, level=0.45, name="corroborated")
+
+
+def cad_ose() -> AnomalyDetector:
+    """CAD OSE's contexts, on a range fixed after a 600-point warm-up (widened by 1x)."""
+    return ContextualAnomalyDetector(warmup=600, margin=1.0)
 
 
 def contextual() -> AnomalyDetector:
@@ -50,12 +66,16 @@ DETECTORS: dict[str, Callable[[], AnomalyDetector]] = {
     "ks": KSShift,
     "generic": GenericDetector,
     "episodic": episodic,
+    "corroborated": corroborated,
+    "resonance": ResonanceDetector,
+    "cad_ose": cad_ose,
     "contextual": contextual,
     "ensemble": ensemble,
     "windowed_gaussian": WindowedGaussian,
 }
 """Every entry builds a fresh detector with its defaults."""
 
-DEFAULT_DETECTOR = "episodic"
+DEFAULT_DETECTOR = "corroborated"
 """For generic per-minute metric series (what the alert rules use unless told otherwise):
-``generic`` inside a refractory period, chosen on NAB (docs/detectors.md)."""
+``generic`` inside a refractory period, corroborated by adaptive resonance; chosen on NAB
+leave-one-file-out (docs/detectors.md)."""

@@ -28,6 +28,11 @@ import typer
 from loopwatch.cli import app
 from loopwatch.core.embedded.broker import free_port
 
+#: one worker runs the module, in order: its fixture starts the children of every case
+#: ahead (tests/test_cli_contract.py Runs), which only this process's cases take
+pytestmark = pytest.mark.xdist_group("cli_contract")
+
+
 SECRET = "S3cr3tPw-in-url"
 CLOSED = free_port()  # nothing listens: a refused connection
 

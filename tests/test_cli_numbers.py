@@ -17,6 +17,11 @@ import typer
 from loopwatch.cli import app
 from tests.test_cli_contract import assert_contract, loopwatch_in, start_together
 
+#: one worker runs the module, in order: its fixture starts the children of every case
+#: ahead (tests/test_cli_contract.py Runs), which only this process's cases take
+pytestmark = pytest.mark.xdist_group("cli_numbers")
+
+
 #: (command, option) -> values it must refuse, and the arguments the command needs
 REFUSED: dict[tuple[str, str], tuple[list[str], list[str]]] = {
     ("alerts", "--limit"): (["0", "-3"], []),

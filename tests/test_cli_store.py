@@ -14,6 +14,11 @@ from typer.testing import CliRunner
 from loopwatch.cli import app
 from tests.test_cli_contract import assert_contract, loopwatch, loopwatch_in, start_together
 
+#: one worker runs the module, in order: its fixture starts the children of every case
+#: ahead (tests/test_cli_contract.py Runs), which only this process's cases take
+pytestmark = pytest.mark.xdist_group("cli_store")
+
+
 REFUSING = [["query", "SELECT 1"], ["alerts"], ["dlq", "list"],
             ["investigate", "top_cost_runs"], ["replay", "some-run"],
             ["playbook", "agent_stuck_in_loop"]]

@@ -72,9 +72,6 @@ def minute(moment: datetime) -> datetime:
     return moment.replace(second=0, microsecond=0)
 
 
-NOW = minute(datetime.now(UTC))
-
-
 def _run(agent: str, run_id: str, calls: list[tuple[datetime, str]]) -> list[EventBase]:
     """One closed, successful run with an LLM call (or a timed-out tool call whose true
     duration is known) at each given time."""
@@ -95,26 +92,29 @@ def _run(agent: str, run_id: str, calls: list[tuple[datetime, str]]) -> list[Eve
 
 
 @pytest.fixture(scope="module")
-def shapes(local_store) -> dict[str, str]:
+def shapes(local_store) -> dict[str, Any]:
     """Agent per data shape, with its scripted runs stored; ``run`` is the one-bucket
-    agent's run id."""
+    agent's run id, ``now`` the minute the shapes end by. Taken here, not at import:
+    the charts show the last hour of the wall clock, and a module imported when the
+    session was collected may run half an hour later."""
     settings, client = local_store
+    now = minute(datetime.now(UTC))
     tag = uuid.uuid4().hex[:8]
     one, gaps, none = f"one-{tag}", f"gaps-{tag}", f"none-{tag}"
-    at = NOW - timedelta(minutes=5) + timedelta(seconds=10)
+    at = now - timedelta(minutes=5) + timedelta(seconds=10)
     run_id = f"run-one-{tag}"
     events = _run(one, run_id, [(at, "llm"), (at + timedelta(seconds=5), "llm"),
                                 (at + timedelta(seconds=10), "tool")])
     events += _run(gaps, f"run-gaps-{tag}", [
-        (NOW - timedelta(minutes=30) + timedelta(seconds=20), "llm"),
-        (NOW - timedelta(minutes=10) + timedelta(seconds=20), "llm"),
-        (NOW - timedelta(minutes=9) + timedelta(seconds=20), "llm")])
+        (now - timedelta(minutes=30) + timedelta(seconds=20), "llm"),
+        (now - timedelta(minutes=10) + timedelta(seconds=20), "llm"),
+        (now - timedelta(minutes=9) + timedelta(seconds=20), "llm")])
     events.sort(key=lambda event: event.ts)
     clock = datetime.now(UTC).timestamp()
     pipeline = Pipeline(settings, MemoryRunStore(), clock=lambda: clock)
     sink = ClickHouseSink(client)
     sink.write_batch(pipeline.process([RawMessage("charts", 0, 0, encode_envelope(events))]).rows)
-    return {"one": one, "gaps": gaps, "none": none, "run": run_id}
+    return {"one": one, "gaps": gaps, "none": none, "run": run_id, "now": now}
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +150,7 @@ def _open(browser: Any, url: str, panels: list[str]) -> dict[str, dict[str, Any]
 def test_a_single_bucket_draws_its_point_on_a_clock_axis(browser, server, shapes):
     charts = _open(browser, f"{server}#/realtime?range=now-1h&agent={shapes['one']}",
                    ["cache_hit_rate", "near_miss_ratio"])
-    bucket = (NOW - timedelta(minutes=5)).timestamp()
+    bucket = (shapes["now"] - timedelta(minutes=5)).timestamp()
     cache = charts["cache_hit_rate"]
     assert (cache["state"], cache["x"], cache["ys"], cache["points"]) == (
         "ready", [bucket], [[0.7]], [True])
@@ -167,7 +167,7 @@ def test_a_single_bucket_draws_its_point_on_a_clock_axis(browser, server, shapes
 def test_empty_minutes_are_gaps_not_lines(browser, server, shapes):
     chart = _open(browser, f"{server}#/realtime?range=now-1h&agent={shapes['gaps']}",
                   ["cost_per_minute"])["cost_per_minute"]
-    start = (NOW - timedelta(minutes=30)).timestamp()
+    start = (shapes["now"] - timedelta(minutes=30)).timestamp()
     assert chart["x"] == [start + 60 * k for k in range(22)]
     cost = chart["ys"][0]
     assert [i for i, value in enumerate(cost) if value is not None] == [0, 20, 21]

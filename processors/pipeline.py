@@ -35,7 +35,7 @@ from __future__ import annotations
 import heapq
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import ClassVar, Protocol
@@ -101,6 +101,12 @@ def _event_json(event: EventBase) -> bytes:
 #: width of a deadline bucket (event-time ms): a sweep revisits at most one bucket's
 #: runs that are not due yet
 DEADLINE_BUCKET_MS = 10_000
+#: a fold decodes this many events ahead (whole messages) before folding them, so the
+#: runs among them that must be looked up in the store are asked for in one query
+LOOKUP_WINDOW_EVENTS = 16_384
+
+#: reads the stored states of runs this worker does not hold, by run id (those found)
+RunLookup = Callable[[Sequence[str]], dict[str, RunState]]
 
 
 @dataclass
@@ -147,16 +153,28 @@ class Pipeline:
         lookup_run: Callable[[str], RunState | None] | None = None,
         clock: Callable[[], float] = time.time,
         python_rows: bool = False,
+        lookup_runs: RunLookup | None = None,
     ) -> None:
         """``python_rows``: build every event's ``llm_calls`` / ``tool_calls`` /
         ``labels`` row here, not only a claim event's (see :func:`rows.built_here`): for
         a writer whose prices or settings are not those the store's views were rendered
-        for (``reprocess`` with a new price table), which writes no ``events_in`` rows."""
+        for (``reprocess`` with a new price table), which writes no ``events_in`` rows.
+
+        A run this worker does not hold, whose first event in a fold is not its
+        ``run.start``, is read from the store: ``lookup_runs`` asks for every such run
+        of :data:`LOOKUP_WINDOW_EVENTS` events in one call (each lookup is a query, ~5-20
+        ms, and an OTLP exporter sends a trace's children before its root, often in
+        another request); without it, ``lookup_run`` is asked once per run."""
         self.settings = settings
         self.python_rows = python_rows
         self.store = store
         self.prices = prices or PriceTable.load(settings.prices_file)
-        self.lookup_run = lookup_run or (lambda run_id: None)
+        self.lookup_run = lookup_run or (
+            (lambda run_id: lookup_runs([run_id]).get(run_id)) if lookup_runs is not None
+            else (lambda run_id: None))
+        self._lookup_runs = lookup_runs
+        #: the window's runs looked up ahead: run id -> its stored state, or None
+        self._looked_up: dict[str, RunState | None] = {}
         self.clock = clock
         self.counters = Counters()
         self.max_event_ms = 0
@@ -194,28 +212,84 @@ class Pipeline:
         work = Work()
         now = datetime.now(UTC)
         self._future_ms = (self.clock() + self.settings.max_clock_skew_s) * 1000
+        for window in self._windows(messages):
+            self._look_up_ahead(window, touched)
+            try:
+                for message, decoded in window:
+                    self._fold_message(work, touched, message, decoded, now)
+            finally:
+                self._looked_up.clear()
+        return work
+
+    def _windows(self, messages: list[RawMessage]
+                 ) -> Iterator[list[tuple[RawMessage, Decoded]]]:
+        """The messages decoded, in consecutive runs of about
+        :data:`LOOKUP_WINDOW_EVENTS` events (a message is never split)."""
+        window: list[tuple[RawMessage, Decoded]] = []
+        events = 0
         for message in messages:
             self.counters.messages += 1
             decoded = decode_message(message.value, self.settings.max_message_bytes,
                                      structs=self.decode_structs)
-            for index, letter in enumerate(decoded.dead):
-                self._dead_letter(work, message, index, letter, now)
-            if decoded.events:
-                self.last_event_wall = self.clock()
-            letter_index = len(decoded.dead)
+            window.append((message, decoded))
+            events += len(decoded.events)
+            if events >= LOOKUP_WINDOW_EVENTS:
+                yield window
+                window, events = [], 0
+        if window:
+            yield window
+
+    def _look_up_ahead(self, window: list[tuple[RawMessage, Decoded]],
+                       touched: dict[str, RunState]) -> None:
+        """Ask the store at once for every run of ``window`` that :meth:`_state_for`
+        would look up one by one: not held, and its first event here (annotations
+        aside, which touch no state) is no ``run.start``. A lookup that fails leaves
+        them to :meth:`_state_for`, which fails as before, event by event."""
+        if self._lookup_runs is None:
+            return
+        first: set[str] = set()
+        wanted: list[str] = []
+        for _, decoded in window:
+            for event in decoded.events:
+                run_id = event.run_id
+                if run_id in first:
+                    continue
+                kind = kind_of(event)
+                if kind == ANNOTATION:
+                    continue
+                first.add(run_id)
+                if kind != RUN_START and run_id not in touched \
+                        and self.store.get(run_id) is None:
+                    wanted.append(run_id)
+        if not wanted:
+            return
+        try:
+            found = self._lookup_runs(wanted)
+        except Exception:
+            log.warning("looking up %d runs in the store failed; looking up one by one",
+                        len(wanted), exc_info=True)
+            return
+        self._looked_up = {run_id: found.get(run_id) for run_id in wanted}
+
+    def _fold_message(self, work: Work, touched: dict[str, RunState], message: RawMessage,
+                      decoded: Decoded, now: datetime) -> None:
+        for index, letter in enumerate(decoded.dead):
+            self._dead_letter(work, message, index, letter, now)
+        if decoded.events:
+            self.last_event_wall = self.clock()
+        letter_index = len(decoded.dead)
+        try:
+            self._store_events(work, message, decoded, now)
+        except Exception as exc:  # none of its events is stored, so none is folded
+            self._processing_failed(work, message, letter_index, exc, now,
+                                    message.value or b"")
+            return
+        for position, event in enumerate(decoded.events, start=letter_index):
             try:
-                self._store_events(work, message, decoded, now)
-            except Exception as exc:  # none of its events is stored, so none is folded
-                self._processing_failed(work, message, letter_index, exc, now,
-                                        message.value or b"")
-                continue
-            for position, event in enumerate(decoded.events, start=letter_index):
-                try:
-                    self._handle_event(work, touched, message, event, now)
-                except Exception as exc:  # a bug must cost one event, not the pipeline
-                    self._processing_failed(work, message, position, exc, now,
-                                            _event_json(event), event.run_id)
-        return work
+                self._handle_event(work, touched, message, event, now)
+            except Exception as exc:  # a bug must cost one event, not the pipeline
+                self._processing_failed(work, message, position, exc, now,
+                                        _event_json(event), event.run_id)
 
     @staticmethod
     def _store_events(work: Work, message: RawMessage, decoded: Decoded,
@@ -407,7 +481,10 @@ class Pipeline:
     ) -> RunState:
         state = touched.get(event.run_id) or self.store.get(event.run_id)
         if state is None and kind != RUN_START:
-            state = self.lookup_run(event.run_id)
+            if event.run_id in self._looked_up:
+                state = self._looked_up.pop(event.run_id)
+            else:
+                state = self.lookup_run(event.run_id)
         if state is None:
             state = new_state(event, partition, when)
         touched[event.run_id] = state

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import msgspec
 
@@ -189,6 +189,11 @@ class Pipeline:
         self._index_stale = True
         #: runs whose stored rows a better agent claim must revise (next settle)
         self._revise: set[str] = set()
+        #: runs first folded since the last settle (no row of theirs stored yet), and
+        #: the call rows built for them since, which a better claim patches instead
+        self._fresh: dict[str, list[dict[str, Any]]] = {}
+        #: fresh runs whose claim improved since their first rows were built
+        self._patch: set[str] = set()
 
     def watermark_ms(self) -> int:
         late_ms = int(self.settings.late_allowance_s * 1000)
@@ -321,7 +326,11 @@ class Pipeline:
                 work.rows.add(tables.RUNS, row)
                 if state.run_id in self._revise:
                     work.rows.add(attribution.REVISIONS_TABLE, attribution.revision_row(state))
+                elif state.run_id in self._patch:
+                    attribution.patch_rows(state, self._fresh[state.run_id])
             self._revise.discard(state.run_id)
+        self._fresh.clear()
+        self._patch.clear()
         return work
 
     def sweep(self) -> Work:
@@ -487,6 +496,7 @@ class Pipeline:
                 state = self.lookup_run(event.run_id)
         if state is None:
             state = new_state(event, partition, when)
+            self._fresh[event.run_id] = []
         touched[event.run_id] = state
         return state
 
@@ -518,7 +528,10 @@ class Pipeline:
                 self._state_for(touched, event, message.partition, event_ms, kind),
                 event, claim)
             if revise:
-                self._revise.add(event.run_id)
+                # rows of a run first folded since the last settle are all still here,
+                # in this settle's write: they take the claim in place (no statement)
+                (self._patch if event.run_id in self._fresh else self._revise).add(
+                    event.run_id)
         priced_cost = 0.0
         loop = self.settings.loop
         priced = None
@@ -538,16 +551,21 @@ class Pipeline:
         # the store's views write every other event's row (loopwatch.store.event_views);
         # a struct carries no extras, so no claim: never one of those built here
         if self.python_rows or (type(event) not in STRUCTS and rows.built_here(event)):
+            call_row = None
             if kind == LLM_CALL:
                 assert priced is not None
-                work.rows.add(tables.LLM_CALLS, rows.llm_call_row(
-                    event, priced, mismatch, now, agent_rank))  # type: ignore[arg-type]
+                call_row = rows.llm_call_row(
+                    event, priced, mismatch, now, agent_rank)  # type: ignore[arg-type]
+                work.rows.add(tables.LLM_CALLS, call_row)
             elif kind == TOOL_CALL:
-                work.rows.add(tables.TOOL_CALLS, rows.tool_call_row(
+                call_row = rows.tool_call_row(
                     event, self.settings.near_miss_factor, now,  # type: ignore[arg-type]
-                    agent_rank))
+                    agent_rank)
+                work.rows.add(tables.TOOL_CALLS, call_row)
             elif kind == LABEL:
                 work.rows.add(tables.LABELS, rows.label_row(event, now))  # type: ignore[arg-type]
+            if call_row is not None and event.run_id in self._fresh:
+                self._fresh[event.run_id].append(call_row)
         state = self._state_for(touched, event, message.partition, event_ms, kind)
         if kind == TOOL_CALL:  # only a tool call reads the loop detector's settings
             loop = self.settings.loop_for(event.task_type or state.task_type)

@@ -41,6 +41,7 @@ from datetime import UTC, datetime
 from typing import Any, ClassVar, Protocol
 
 import msgspec
+import orjson
 
 from loopwatch.core.config import Settings
 from loopwatch.ingest.attribution import EXPLICIT, claim_of
@@ -92,9 +93,13 @@ class RunStore(Protocol):
 
 
 def _event_json(event: EventBase) -> bytes:
-    """An event's JSON for its dead letter: a model's, or its struct's (the same fields)."""
+    """An event's JSON for its dead letter: a model's, or its struct's (the same fields,
+    and the extras a struct of :func:`loopwatch.ingest.structs.mirror_claims` has apart)."""
     if isinstance(event, msgspec.Struct):
-        return msgspec.json.encode(event)
+        extras = getattr(event, "__pydantic_extra__", None)
+        if not extras:
+            return msgspec.json.encode(event)
+        return orjson.dumps({**msgspec.json.decode(msgspec.json.encode(event)), **extras})
     return encode_event(event)
 
 
@@ -303,7 +308,8 @@ class Pipeline:
         event, duplicates too: the table dedups)."""
         if decoded.events_json is not None:
             work.rows.add(rows.EVENTS_IN_TABLE, rows.events_in_row(
-                message.partition, message.offset, now, decoded.events_json))
+                message.partition, message.offset, now, decoded.events_json,
+                decoded.events_extras))
         elif decoded.events:
             events_json, extras = rows.validated_events_json(decoded.events)
             work.rows.add(rows.EVENTS_IN_TABLE, rows.events_in_row(

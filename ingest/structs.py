@@ -377,3 +377,44 @@ def mirror_claims(value: bytes, envelope_version: int) -> Claimed | None:
 def _extra_json(value: str | int) -> str:
     """An extra's JSON as ``validated_events_json`` writes it (orjson's)."""
     return str(value) if type(value) is int else orjson.dumps(value).decode()
+
+
+#: each model's claim struct (:data:`CLAIM_MIRRORS` the other way round)
+CLAIM_STRUCT_OF: dict[type[EventBase], type[msgspec.Struct]] = {
+    model: struct for struct, model in CLAIM_MIRRORS.items()}
+
+
+def claim_struct(model: type[EventBase], fields: dict[str, Any]) -> Any:
+    """The OTLP receiver's event built as :func:`mirror_claims` reads it: ``fields``
+    (the model's, and extras of :data:`OTLP_EXTRAS`) validated by msgspec against the
+    contract's types and bounds, the extras kept apart in their order. Raises
+    :class:`msgspec.ValidationError` (the caller asks pydantic, for its reason) or
+    ValueError for a time outside the contract's range.
+
+    >>> from loopwatch.ingest.events import ToolCall
+    >>> event = claim_struct(ToolCall, {"run_id": "r", "agent": "a", "tool": "t",
+    ...     "otel_convention": "gen_ai", "otel_agent_rank": 0, "ts": TS_MIN})
+    >>> encode_claim(event)[-59:]
+    b'"attempt":1,"otel_convention":"gen_ai","otel_agent_rank":0}'
+    """
+    struct: Any = msgspec.convert(fields, CLAIM_STRUCT_OF[model])
+    ts = struct.ts
+    if ts.tzinfo is not UTC:
+        ts = struct.ts = ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts.astimezone(UTC)
+    if not TS_MIN <= ts <= TS_MAX:
+        raise ValueError("ts out of range")
+    extras = {name: fields[name] for name in fields if name in OTLP_EXTRAS}
+    for name in extras:
+        setattr(struct, name, None)
+    struct.__pydantic_extra__ = extras
+    return struct
+
+
+def encode_claim(struct: Any) -> bytes:
+    """A :func:`claim_struct` (or :func:`mirror_claims`) event as JSON: its fields, then
+    its extras in their order (which the store keeps)."""
+    body = _ENCODER.encode(struct)
+    extras = struct.__pydantic_extra__
+    if not extras:
+        return body
+    return body[:-1] + b"," + orjson.dumps(extras)[1:]

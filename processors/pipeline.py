@@ -218,7 +218,9 @@ class Pipeline:
     def fold(self, messages: list[RawMessage], touched: dict[str, RunState]) -> Work:
         """Decode and fold into the states in ``touched`` (filled from the store as runs
         appear), without storing them: several folds can share one :meth:`settle`, so
-        a run touched by many chunks of a batch is changelogged and written once."""
+        a run touched by many chunks of a batch is changelogged and written once. Rows
+        but ``events_in`` are written with that settle's (the processor defers them):
+        the settle may still patch a new run's call rows to its claim."""
         work = Work()
         now = datetime.now(UTC)
         self._future_ms = (self.clock() + self.settings.max_clock_skew_s) * 1000

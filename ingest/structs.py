@@ -23,8 +23,10 @@ from datetime import UTC
 from typing import Annotated, Any, NamedTuple, Union, get_args, get_origin
 
 import msgspec
+import orjson
 from annotated_types import Ge, Gt, Le, MaxLen, MinLen
 
+from loopwatch.ingest.attribution import NAMED_AT_EXTRA, RANK_EXTRA
 from loopwatch.ingest.events import EVENT_TYPES, SCHEMA_VERSION, TS_MAX, TS_MIN, EventBase
 
 #: the annotated-types bounds the models use, as msgspec.Meta keywords
@@ -68,7 +70,8 @@ def _constant(value: Any, where: str) -> Callable[[], Any]:
     return lambda: value
 
 
-def mirror(model: type[EventBase]) -> type[msgspec.Struct]:
+def mirror(model: type[EventBase], extras: dict[str, type] | None = None
+           ) -> type[msgspec.Struct]:
     """A struct with the model's fields, tagged by its ``event_type``; unknown fields
     are an error (pydantic keeps them as extras, so such events take pydantic's path).
 
@@ -91,11 +94,17 @@ def mirror(model: type[EventBase]) -> type[msgspec.Struct]:
         else:
             default = _always_written(_constant(info.default, where))
         fields.append((name, annotation, default))
+    if extras is None:
+        return msgspec.defstruct(
+            model.__name__, fields, kw_only=True, forbid_unknown_fields=True,
+            omit_defaults=True, tag_field="event_type",
+            tag=str(model.model_fields["event_type"].default), namespace=_model_reads(model))
+    fields.extend((name, kind | None, None) for name, kind in extras.items())
     return msgspec.defstruct(
-        model.__name__, fields, kw_only=True, forbid_unknown_fields=True, omit_defaults=True,
-        tag_field="event_type", tag=str(model.model_fields["event_type"].default),
-        namespace=_model_reads(model),
-    )
+        f"{model.__name__}Claim", fields, kw_only=True, forbid_unknown_fields=True,
+        omit_defaults=True, tag_field="event_type",
+        tag=str(model.model_fields["event_type"].default),
+        namespace={**_model_reads(model), **_CLAIM_READS}, dict=True)
 
 
 def _model_reads(model: type[EventBase]) -> dict[str, Any]:
@@ -250,3 +259,162 @@ def mirror_message(value: bytes, envelope_version: int) -> Mirrored | None:
     except ValueError:
         return None
     return Mirrored(events, mirrored.as_json)
+
+
+# -- events with the OTLP receiver's extras --------------------------------------------
+
+#: the extras the OTLP receiver writes (loopwatch.ingest.otlp.mapping), as JSON gives them
+OTLP_EXTRAS: dict[str, type] = {"agent_id": str, "conversation_id": str, RANK_EXTRA: int,
+                                NAMED_AT_EXTRA: int, "otel_convention": str,
+                                "otel_operation": str, "tool_call_id": str}
+_EXTRA_NAMES = tuple(OTLP_EXTRAS)
+#: an extra's key in compact JSON, after another field: only a key is preceded by a
+#: comma and a quote (inside a JSON string a quote is escaped), and an accepted message
+#: has no objects inside its events (the contract's fields and these extras are scalars)
+_EXTRA_KEY = re.compile(rb',"(' + b"|".join(re.escape(name.encode()) for name in OTLP_EXTRAS)
+                        + rb')":')
+
+
+def _claim_copy(self: Any, update: dict[str, Any] | None = None) -> Any:
+    """``model_copy`` as the fold calls it (``attribute`` sets a run's agent)."""
+    copy = msgspec.structs.replace(self, **(update or {}))
+    copy.__pydantic_extra__ = self.__pydantic_extra__
+    return copy
+
+
+_CLAIM_READS: dict[str, Any] = {
+    "extras": property(lambda self: dict(self.__pydantic_extra__)),
+    "model_copy": _claim_copy,
+}
+
+#: struct -> its model, for the events that carry the receiver's extras
+CLAIM_MIRRORS: dict[type[msgspec.Struct], type[EventBase]] = {
+    mirror(model, OTLP_EXTRAS): model for model in EVENT_TYPES}
+_ANY_CLAIM = Union[tuple(CLAIM_MIRRORS)]  # type: ignore[valid-type]  # noqa: UP007
+
+
+class _ClaimEnvelope(msgspec.Struct, forbid_unknown_fields=True):
+    envelope_version: int
+    events: list[_ANY_CLAIM]  # type: ignore[valid-type]
+
+
+_CLAIM_ENVELOPE = msgspec.json.Decoder(_ClaimEnvelope)
+_CLAIM_EVENT = msgspec.json.Decoder(_ANY_CLAIM)
+
+
+class Claimed(NamedTuple):
+    """:class:`Mirrored` for events with extras: ``as_json`` leaves the extras out, and
+    ``extras`` has each event's, field -> its JSON, in the order the message gave them
+    (what ``events_in.event_extras`` takes, as :func:`validated_events_json` makes it)."""
+
+    events: list[Any]
+    as_json: bytes
+    extras: list[dict[str, str]]
+
+
+def mirror_claims(value: bytes, envelope_version: int) -> Claimed | None:
+    """:func:`mirror_structs` for messages whose events carry the OTLP receiver's
+    extras (:data:`OTLP_EXTRAS`, each of the type it writes): validated structs that
+    read as their model does, extras included (``__pydantic_extra__``, so the fold
+    reads the claim as from a model). None if anything is not plainly so (another
+    extra, a null one, JSON with spaces...): the caller asks pydantic.
+
+    >>> claimed = mirror_claims(b'{"event_type":"tool.call","run_id":"r","agent":"a",'
+    ...     b'"ts":"2026-01-02T03:04:05Z","tool":"t","otel_agent_rank":1,'
+    ...     b'"otel_agent_named_at":0,"otel_convention":"gen_ai"}', 1)
+    >>> (event,) = claimed.events
+    >>> event.__pydantic_extra__, claimed.extras
+    ({'otel_agent_rank': 1, 'otel_agent_named_at': 0, 'otel_convention': 'gen_ai'}, \
+[{'otel_agent_rank': '1', 'otel_agent_named_at': '0', 'otel_convention': '"gen_ai"'}])
+    >>> b"otel" in claimed.as_json, event.model_copy(update={"agent": "b"}).extras == event.extras
+    (False, True)
+    """
+    if _SUB_MICROSECOND.search(value):
+        return None
+    try:
+        if b'"envelope_version"' in value:
+            envelope = _CLAIM_ENVELOPE.decode(value)
+            if envelope.envelope_version != envelope_version:
+                return None
+            structs: list[Any] = envelope.events
+        else:
+            structs = [_CLAIM_EVENT.decode(value)]
+    except (msgspec.DecodeError, ValueError, RecursionError):
+        return None
+    if not structs:
+        return None
+    keys = [key.decode() for key in _EXTRA_KEY.findall(value)]
+    at = 0
+    every: list[dict[str, str]] = []
+    for struct in structs:
+        given = {}
+        for name in _EXTRA_NAMES:
+            item = getattr(struct, name)
+            if item is not None:
+                given[name] = item
+                setattr(struct, name, None)  # encoded apart, as events_in takes them
+        order = keys[at:at + len(given)]
+        at += len(given)
+        if len(order) != len(given) or given.keys() != set(order):
+            return None  # a null or repeated extra, or one no comma precedes
+        extra = struct.__pydantic_extra__ = {name: given[name] for name in order}
+        every.append({name: _extra_json(item) for name, item in extra.items()})
+    if at != len(keys):
+        return None
+    as_json = _ENCODER.encode(structs)
+    for struct in structs:
+        if struct.schema_version != SCHEMA_VERSION:
+            return None
+        ts = struct.ts
+        if ts.tzinfo is not UTC:
+            ts = struct.ts = ts.replace(tzinfo=UTC) if ts.tzinfo is None \
+                else ts.astimezone(UTC)
+        if not TS_MIN <= ts <= TS_MAX:
+            return None
+    return Claimed(structs, as_json, every)
+
+
+def _extra_json(value: str | int) -> str:
+    """An extra's JSON as ``validated_events_json`` writes it (orjson's)."""
+    return str(value) if type(value) is int else orjson.dumps(value).decode()
+
+
+#: each model's claim struct (:data:`CLAIM_MIRRORS` the other way round)
+CLAIM_STRUCT_OF: dict[type[EventBase], type[msgspec.Struct]] = {
+    model: struct for struct, model in CLAIM_MIRRORS.items()}
+
+
+def claim_struct(model: type[EventBase], fields: dict[str, Any]) -> Any:
+    """The OTLP receiver's event built as :func:`mirror_claims` reads it: ``fields``
+    (the model's, and extras of :data:`OTLP_EXTRAS`) validated by msgspec against the
+    contract's types and bounds, the extras kept apart in their order. Raises
+    :class:`msgspec.ValidationError` (the caller asks pydantic, for its reason) or
+    ValueError for a time outside the contract's range.
+
+    >>> from loopwatch.ingest.events import ToolCall
+    >>> event = claim_struct(ToolCall, {"run_id": "r", "agent": "a", "tool": "t",
+    ...     "otel_convention": "gen_ai", "otel_agent_rank": 0, "ts": TS_MIN})
+    >>> encode_claim(event)[-59:]
+    b'"attempt":1,"otel_convention":"gen_ai","otel_agent_rank":0}'
+    """
+    struct: Any = msgspec.convert(fields, CLAIM_STRUCT_OF[model])
+    ts = struct.ts
+    if ts.tzinfo is not UTC:
+        ts = struct.ts = ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts.astimezone(UTC)
+    if not TS_MIN <= ts <= TS_MAX:
+        raise ValueError("ts out of range")
+    extras = {name: fields[name] for name in fields if name in OTLP_EXTRAS}
+    for name in extras:
+        setattr(struct, name, None)
+    struct.__pydantic_extra__ = extras
+    return struct
+
+
+def encode_claim(struct: Any) -> bytes:
+    """A :func:`claim_struct` (or :func:`mirror_claims`) event as JSON: its fields, then
+    its extras in their order (which the store keeps)."""
+    body = _ENCODER.encode(struct)
+    extras = struct.__pydantic_extra__
+    if not extras:
+        return body
+    return body[:-1] + b"," + orjson.dumps(extras)[1:]

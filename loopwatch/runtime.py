@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ from loopwatch.processors.app import Processor
 from loopwatch.processors.jobs.capture_decide import start_decider
 from loopwatch.processors.jobs.deadletters import replay_pending
 from loopwatch.processors.jobs.reprocess import reprocess_with
+from loopwatch.processors.pipeline import RunLookup
 from loopwatch.processors.runs import RunState, pending_label_state, seen_from_ids
 from loopwatch.store.clickhouse import connect, migrate
 from loopwatch.store.reader import (
@@ -140,6 +141,9 @@ class DrainingWorker(faust.Worker):
 
 
 #: a run's stored event ids, oldest first: its ``seen`` set (``runs.state`` leaves it out)
+#: runs one lookup query asks for at most (their ids are a query parameter)
+LOOKUP_CHUNK = 1000
+
 SEEN_SQL = """
 SELECT run_id, groupArray(toString(event_id)) FROM (
     SELECT run_id, event_id FROM events FINAL WHERE run_id IN {run_ids:Array(String)}
@@ -164,11 +168,24 @@ GROUP BY run_id
 
 def _store_callbacks(reader: Reader, settings: Settings | None = None
                      ) -> tuple[Callable[[], list[RunState]], Callable[[str], RunState | None]]:
+    """:func:`_store_reads` with the lookup of one run at a time."""
+    open_runs, lookup_runs = _store_reads(reader, settings)
+
+    def lookup_run(run_id: str) -> RunState | None:
+        return lookup_runs([run_id]).get(run_id)
+
+    return open_runs, lookup_run
+
+
+def _store_reads(reader: Reader, settings: Settings | None = None
+                 ) -> tuple[Callable[[], list[RunState]], RunLookup]:
     """How the processors read run state back from the store (after a broker restart,
-    or for a label on a run their table has forgotten). The state comes from ``runs``,
-    the ids already folded in from ``events``, so a redelivered event is still known;
-    labels still waiting for their run come from ``labels`` (``settings``: their window
-    and the partitions; the defaults if None)."""
+    or for runs their table has forgotten or never held: a label's, an OTLP trace's
+    children exported before its root). The state comes from ``runs``, the ids already
+    folded in from ``events``, so a redelivered event is still known; labels still
+    waiting for their run come from ``labels`` (``settings``: their window and the
+    partitions; the defaults if None). Runs are looked up many at a time: one query
+    for up to :data:`LOOKUP_CHUNK` of them."""
     config = settings or Settings()
 
     def with_seen(states: list[RunState]) -> list[RunState]:
@@ -201,13 +218,17 @@ def _store_callbacks(reader: Reader, settings: Settings | None = None
         return states(reader.query("SELECT state FROM runs FINAL WHERE status = 'running'")
                       .rows) + pending_labels()
 
-    def lookup_run(run_id: str) -> RunState | None:
-        found = states(reader.query(
-            "SELECT state FROM runs FINAL WHERE run_id = {run_id:String}", {"run_id": run_id}
-        ).rows)
-        return found[0] if found else None
+    def lookup_runs(run_ids: Sequence[str]) -> dict[str, RunState]:
+        found: dict[str, RunState] = {}
+        for start in range(0, len(run_ids), LOOKUP_CHUNK):
+            chunk = list(run_ids[start:start + LOOKUP_CHUNK])
+            for state in states(reader.query(
+                    "SELECT state FROM runs FINAL WHERE run_id IN {run_ids:Array(String)}",
+                    {"run_ids": chunk}).rows):
+                found[state.run_id] = state
+        return found
 
-    return open_runs, lookup_run
+    return open_runs, lookup_runs
 
 
 def _insert_action(connect_client: Callable[[], Any]) -> Callable[[bytes], dict[str, Any]]:
@@ -281,8 +302,9 @@ def run_worker(settings: Settings, loglevel: str = "warning") -> None:
         bootstrap = settings.kafka_bootstrap or announced["kafka_bootstrap"]
     if not bootstrap:
         raise RuntimeError("set LOOPWATCH_KAFKA_BOOTSTRAP for a worker against a ClickHouse server")
-    open_runs, lookup_run = _store_callbacks(reader, settings)
-    processor = Processor(settings, bootstrap, sink, open_runs=open_runs, lookup_run=lookup_run)
+    open_runs, lookup_runs = _store_reads(reader, settings)
+    processor = Processor(settings, bootstrap, sink, open_runs=open_runs,
+                          lookup_runs=lookup_runs)
     worker = DrainingWorker(processor, bootstrap, stop_requested,
                             loglevel=loglevel, quiet=True, redirect_stdouts=False,
                             logfile=str(settings.data_dir / "logs" / f"worker-{os.getpid()}.log"))
@@ -503,14 +525,14 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
         ensure_topics(bootstrap, settings)
         writer = migrate(settings)
         receiver = _start_otlp(settings, bootstrap, otlp_port)
-        open_runs, lookup_run = _store_callbacks(DirectReader(connect(settings), settings),
-                                                 settings)
+        open_runs, lookup_runs = _store_reads(DirectReader(connect(settings), settings),
+                                              settings)
         sink: Sink = ClickHouseSink(writer)
         fault_marker = os.environ.get("LOOPWATCH_FAULT_SINK_FILE")
         if fault_marker:
             sink = FaultInjectingSink(sink, Path(fault_marker))
         processor = Processor(settings, bootstrap, sink,
-                              open_runs=open_runs, lookup_run=lookup_run,
+                              open_runs=open_runs, lookup_runs=lookup_runs,
                               skip_once=_fault_skip_message())
         store = (safe_url(settings.clickhouse_url) if settings.clickhouse_url
                  else f"chdb://{settings.chdb_path}")  # announced and printed: no password

@@ -34,7 +34,7 @@ from loopwatch.processors.capture_app import register_captures
 from loopwatch.processors.continuity import PartitionContinuity
 from loopwatch.processors.deadletter import DeadLetterRecord
 from loopwatch.processors.kafka_writes import KafkaWrites, record_limit
-from loopwatch.processors.pipeline import Pipeline, RawMessage, Work
+from loopwatch.processors.pipeline import Pipeline, RawMessage, RunLookup, Work
 from loopwatch.processors.rows import EVENTS_IN_TABLE
 from loopwatch.processors.runs import RunState
 from loopwatch.store.sink import RetriesStopped, RetryingSink, RowBatch, Sink
@@ -331,6 +331,7 @@ class Processor:
         open_runs: Any = None,
         lookup_run: Any = None,
         skip_once: tuple[int, int] | None = None,
+        lookup_runs: RunLookup | None = None,
     ) -> None:
         """``skip_once`` (partition, offset) hides that message from the agent once, as
         faust's lost hand-over does (:mod:`loopwatch.processors.continuity`): fault injection for
@@ -362,7 +363,8 @@ class Processor:
         )
         self.store = TableRunStore(self.table, self.app, settings.events_topic,
                                    self.kafka_writes, record_limit(settings))
-        self.pipeline = Pipeline(settings, self.store, lookup_run=lookup_run)
+        self.pipeline = Pipeline(settings, self.store, lookup_run=lookup_run,
+                                 lookup_runs=lookup_runs)
 
         def reindex_on_assignment(sender: Any, /, *args: Any, signal: Any,
                                   **kwargs: Any) -> None:

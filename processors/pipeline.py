@@ -35,12 +35,13 @@ from __future__ import annotations
 import heapq
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import msgspec
+import orjson
 
 from loopwatch.core.config import Settings
 from loopwatch.ingest.attribution import EXPLICIT, claim_of
@@ -92,15 +93,25 @@ class RunStore(Protocol):
 
 
 def _event_json(event: EventBase) -> bytes:
-    """An event's JSON for its dead letter: a model's, or its struct's (the same fields)."""
+    """An event's JSON for its dead letter: a model's, or its struct's (the same fields,
+    and the extras a struct of :func:`loopwatch.ingest.structs.mirror_claims` has apart)."""
     if isinstance(event, msgspec.Struct):
-        return msgspec.json.encode(event)
+        extras = getattr(event, "__pydantic_extra__", None)
+        if not extras:
+            return msgspec.json.encode(event)
+        return orjson.dumps({**msgspec.json.decode(msgspec.json.encode(event)), **extras})
     return encode_event(event)
 
 
 #: width of a deadline bucket (event-time ms): a sweep revisits at most one bucket's
 #: runs that are not due yet
 DEADLINE_BUCKET_MS = 10_000
+#: a fold decodes this many events ahead (whole messages) before folding them, so the
+#: runs among them that must be looked up in the store are asked for in one query
+LOOKUP_WINDOW_EVENTS = 16_384
+
+#: reads the stored states of runs this worker does not hold, by run id (those found)
+RunLookup = Callable[[Sequence[str]], dict[str, RunState]]
 
 
 @dataclass
@@ -147,16 +158,28 @@ class Pipeline:
         lookup_run: Callable[[str], RunState | None] | None = None,
         clock: Callable[[], float] = time.time,
         python_rows: bool = False,
+        lookup_runs: RunLookup | None = None,
     ) -> None:
         """``python_rows``: build every event's ``llm_calls`` / ``tool_calls`` /
         ``labels`` row here, not only a claim event's (see :func:`rows.built_here`): for
         a writer whose prices or settings are not those the store's views were rendered
-        for (``reprocess`` with a new price table), which writes no ``events_in`` rows."""
+        for (``reprocess`` with a new price table), which writes no ``events_in`` rows.
+
+        A run this worker does not hold, whose first event in a fold is not its
+        ``run.start``, is read from the store: ``lookup_runs`` asks for every such run
+        of :data:`LOOKUP_WINDOW_EVENTS` events in one call (each lookup is a query, ~5-20
+        ms, and an OTLP exporter sends a trace's children before its root, often in
+        another request); without it, ``lookup_run`` is asked once per run."""
         self.settings = settings
         self.python_rows = python_rows
         self.store = store
         self.prices = prices or PriceTable.load(settings.prices_file)
-        self.lookup_run = lookup_run or (lambda run_id: None)
+        self.lookup_run = lookup_run or (
+            (lambda run_id: lookup_runs([run_id]).get(run_id)) if lookup_runs is not None
+            else (lambda run_id: None))
+        self._lookup_runs = lookup_runs
+        #: the window's runs looked up ahead: run id -> its stored state, or None
+        self._looked_up: dict[str, RunState | None] = {}
         self.clock = clock
         self.counters = Counters()
         self.max_event_ms = 0
@@ -171,6 +194,11 @@ class Pipeline:
         self._index_stale = True
         #: runs whose stored rows a better agent claim must revise (next settle)
         self._revise: set[str] = set()
+        #: runs first folded since the last settle (no row of theirs stored yet), and
+        #: the call rows built for them since, which a better claim patches instead
+        self._fresh: dict[str, list[dict[str, Any]]] = {}
+        #: fresh runs whose claim improved since their first rows were built
+        self._patch: set[str] = set()
 
     def watermark_ms(self) -> int:
         late_ms = int(self.settings.late_allowance_s * 1000)
@@ -190,32 +218,90 @@ class Pipeline:
     def fold(self, messages: list[RawMessage], touched: dict[str, RunState]) -> Work:
         """Decode and fold into the states in ``touched`` (filled from the store as runs
         appear), without storing them: several folds can share one :meth:`settle`, so
-        a run touched by many chunks of a batch is changelogged and written once."""
+        a run touched by many chunks of a batch is changelogged and written once. Rows
+        but ``events_in`` are written with that settle's (the processor defers them):
+        the settle may still patch a new run's call rows to its claim."""
         work = Work()
         now = datetime.now(UTC)
         self._future_ms = (self.clock() + self.settings.max_clock_skew_s) * 1000
+        for window in self._windows(messages):
+            self._look_up_ahead(window, touched)
+            try:
+                for message, decoded in window:
+                    self._fold_message(work, touched, message, decoded, now)
+            finally:
+                self._looked_up.clear()
+        return work
+
+    def _windows(self, messages: list[RawMessage]
+                 ) -> Iterator[list[tuple[RawMessage, Decoded]]]:
+        """The messages decoded, in consecutive runs of about
+        :data:`LOOKUP_WINDOW_EVENTS` events (a message is never split)."""
+        window: list[tuple[RawMessage, Decoded]] = []
+        events = 0
         for message in messages:
             self.counters.messages += 1
             decoded = decode_message(message.value, self.settings.max_message_bytes,
                                      structs=self.decode_structs)
-            for index, letter in enumerate(decoded.dead):
-                self._dead_letter(work, message, index, letter, now)
-            if decoded.events:
-                self.last_event_wall = self.clock()
-            letter_index = len(decoded.dead)
+            window.append((message, decoded))
+            events += len(decoded.events)
+            if events >= LOOKUP_WINDOW_EVENTS:
+                yield window
+                window, events = [], 0
+        if window:
+            yield window
+
+    def _look_up_ahead(self, window: list[tuple[RawMessage, Decoded]],
+                       touched: dict[str, RunState]) -> None:
+        """Ask the store at once for every run of ``window`` that :meth:`_state_for`
+        would look up one by one: not held, and its first event here (annotations
+        aside, which touch no state) is no ``run.start``. A lookup that fails leaves
+        them to :meth:`_state_for`, which fails as before, event by event."""
+        if self._lookup_runs is None:
+            return
+        first: set[str] = set()
+        wanted: list[str] = []
+        for _, decoded in window:
+            for event in decoded.events:
+                run_id = event.run_id
+                if run_id in first:
+                    continue
+                kind = kind_of(event)
+                if kind == ANNOTATION:
+                    continue
+                first.add(run_id)
+                if kind != RUN_START and run_id not in touched \
+                        and self.store.get(run_id) is None:
+                    wanted.append(run_id)
+        if not wanted:
+            return
+        try:
+            found = self._lookup_runs(wanted)
+        except Exception:
+            log.warning("looking up %d runs in the store failed; looking up one by one",
+                        len(wanted), exc_info=True)
+            return
+        self._looked_up = {run_id: found.get(run_id) for run_id in wanted}
+
+    def _fold_message(self, work: Work, touched: dict[str, RunState], message: RawMessage,
+                      decoded: Decoded, now: datetime) -> None:
+        for index, letter in enumerate(decoded.dead):
+            self._dead_letter(work, message, index, letter, now)
+        if decoded.events:
+            self.last_event_wall = self.clock()
+        letter_index = len(decoded.dead)
+        try:
+            self._store_events(work, message, decoded, now)
+        except Exception as exc:  # none of its events is stored, so none is folded
+            self._processing_failed(work, message, letter_index, exc, now,
+                                    message.value or b"")
+            return
+        for position, event in enumerate(decoded.events, start=letter_index):
             try:
-                self._store_events(work, message, decoded, now)
-            except Exception as exc:  # none of its events is stored, so none is folded
-                self._processing_failed(work, message, letter_index, exc, now,
-                                        message.value or b"")
-                continue
-            for position, event in enumerate(decoded.events, start=letter_index):
-                try:
-                    self._handle_event(work, touched, message, event, now)
-                except Exception as exc:  # a bug must cost one event, not the pipeline
-                    self._processing_failed(work, message, position, exc, now,
-                                            _event_json(event), event.run_id)
-        return work
+                self._handle_event(work, touched, message, event, now)
+            except Exception as exc:  # a bug must cost one event, not the pipeline
+                self._processing_failed(work, message, position, exc, now,
+                                        _event_json(event), event.run_id)
 
     @staticmethod
     def _store_events(work: Work, message: RawMessage, decoded: Decoded,
@@ -224,7 +310,8 @@ class Pipeline:
         event, duplicates too: the table dedups)."""
         if decoded.events_json is not None:
             work.rows.add(rows.EVENTS_IN_TABLE, rows.events_in_row(
-                message.partition, message.offset, now, decoded.events_json))
+                message.partition, message.offset, now, decoded.events_json,
+                decoded.events_extras))
         elif decoded.events:
             events_json, extras = rows.validated_events_json(decoded.events)
             work.rows.add(rows.EVENTS_IN_TABLE, rows.events_in_row(
@@ -247,7 +334,11 @@ class Pipeline:
                 work.rows.add(tables.RUNS, row)
                 if state.run_id in self._revise:
                     work.rows.add(attribution.REVISIONS_TABLE, attribution.revision_row(state))
+                elif state.run_id in self._patch:
+                    attribution.patch_rows(state, self._fresh[state.run_id])
             self._revise.discard(state.run_id)
+        self._fresh.clear()
+        self._patch.clear()
         return work
 
     def sweep(self) -> Work:
@@ -407,9 +498,13 @@ class Pipeline:
     ) -> RunState:
         state = touched.get(event.run_id) or self.store.get(event.run_id)
         if state is None and kind != RUN_START:
-            state = self.lookup_run(event.run_id)
+            if event.run_id in self._looked_up:
+                state = self._looked_up.pop(event.run_id)
+            else:
+                state = self.lookup_run(event.run_id)
         if state is None:
             state = new_state(event, partition, when)
+            self._fresh[event.run_id] = []
         touched[event.run_id] = state
         return state
 
@@ -441,7 +536,10 @@ class Pipeline:
                 self._state_for(touched, event, message.partition, event_ms, kind),
                 event, claim)
             if revise:
-                self._revise.add(event.run_id)
+                # rows of a run first folded since the last settle are all still here,
+                # in this settle's write: they take the claim in place (no statement)
+                (self._patch if event.run_id in self._fresh else self._revise).add(
+                    event.run_id)
         priced_cost = 0.0
         loop = self.settings.loop
         priced = None
@@ -461,16 +559,21 @@ class Pipeline:
         # the store's views write every other event's row (loopwatch.store.event_views);
         # a struct carries no extras, so no claim: never one of those built here
         if self.python_rows or (type(event) not in STRUCTS and rows.built_here(event)):
+            call_row = None
             if kind == LLM_CALL:
                 assert priced is not None
-                work.rows.add(tables.LLM_CALLS, rows.llm_call_row(
-                    event, priced, mismatch, now, agent_rank))  # type: ignore[arg-type]
+                call_row = rows.llm_call_row(
+                    event, priced, mismatch, now, agent_rank)  # type: ignore[arg-type]
+                work.rows.add(tables.LLM_CALLS, call_row)
             elif kind == TOOL_CALL:
-                work.rows.add(tables.TOOL_CALLS, rows.tool_call_row(
+                call_row = rows.tool_call_row(
                     event, self.settings.near_miss_factor, now,  # type: ignore[arg-type]
-                    agent_rank))
+                    agent_rank)
+                work.rows.add(tables.TOOL_CALLS, call_row)
             elif kind == LABEL:
                 work.rows.add(tables.LABELS, rows.label_row(event, now))  # type: ignore[arg-type]
+            if call_row is not None and event.run_id in self._fresh:
+                self._fresh[event.run_id].append(call_row)
         state = self._state_for(touched, event, message.partition, event_ms, kind)
         if kind == TOOL_CALL:  # only a tool call reads the loop detector's settings
             loop = self.settings.loop_for(event.task_type or state.task_type)

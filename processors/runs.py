@@ -46,7 +46,7 @@ from loopwatch.ingest.events import (
     Step,
     ToolCall,
 )
-from loopwatch.ingest.structs import MIRRORS
+from loopwatch.ingest.structs import CLAIM_MIRRORS, MIRRORS
 
 SEEN_EVENT_IDS = 4096
 #: up to this many seen ids are kept packed in one ``bytes``
@@ -295,6 +295,7 @@ KINDS: dict[type, int] = {
     **_KIND_OF_MODEL,
     **{struct: _KIND_OF_MODEL[_MODEL_OF_TAG[struct.event_type]]  # type: ignore[attr-defined]
        for struct in MIRRORS},
+    **{struct: _KIND_OF_MODEL[model] for struct, model in CLAIM_MIRRORS.items()},
 }
 
 

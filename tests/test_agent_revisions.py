@@ -263,3 +263,47 @@ def test_one_batch_revises_many_runs_each_to_its_own_agent(store):
         ([("beta", 3, 1200)], [("beta", 3, "lookup")]),
         ([("gamma", 3, 1200)], [("gamma", 3, "lookup")]),
         ([("child-svc", 0, 1200)], [("child-svc", 0, "lookup")])]
+
+
+def _calls(client: Client) -> dict[str, list[tuple[Any, ...]]]:
+    """Every column of the call tables but ``ingested_at``, FINAL."""
+    return {table: client.query(
+        f"SELECT * EXCEPT ingested_at FROM {table} FINAL ORDER BY event_id").result_rows
+        for table in ("llm_calls", "tool_calls")}
+
+
+def test_a_claim_raised_in_the_batch_of_the_runs_first_rows_patches_them_no_revision(
+        local_store):
+    """A trace whose children and root reach the processors in one batch (the OTLP
+    burst's traces that straddle two export requests): its rows take the root's agent
+    before they are written, with no revision statement and no row written twice; a run
+    stored in an earlier batch is still revised. What is stored equals, column for
+    column, what delivering each request in a batch of its own (every claim revised)
+    stores."""
+    fresh, earlier = Trace(), Trace()
+    requests = [[earlier.chat(), earlier.tool()], [fresh.chat(), fresh.tool()],
+                [fresh.root(), earlier.root()]]
+    stores = [_store(local_store), _store(local_store)]
+    try:
+        (settings, client), (apart_settings, apart_client) = stores
+        pipeline, sink = Pipeline(settings, MemoryRunStore()), ClickHouseSink(client)
+        _deliver(pipeline, sink, requests[:1])
+        work = pipeline.process([_message(spans, offset)
+                                 for offset, spans in enumerate(requests[1:], start=1)])
+        assert [row["run_id"] for row in work.rows.tables[REVISIONS_TABLE]] == [earlier.trace]
+        sink.write_batch(work.rows)
+        _deliver(Pipeline(apart_settings, MemoryRunStore()), ClickHouseSink(apart_client),
+                 requests)
+        for trace in (fresh, earlier):
+            assert _rows(client, trace.trace) == {
+                "llm_calls": [("bot", 3, 1200)], "tool_calls": [("bot", 3, "lookup")],
+                "runs": [("bot", 1, 1, 1200, 1000, "success")]}
+        assert _calls(client) == _calls(apart_client)
+        for table in ("llm_calls", "tool_calls"):  # every row written, merged or not
+            ranks = client.query(f"SELECT run_id, groupArray(agent_rank) FROM (SELECT "
+                                 f"run_id, agent_rank FROM {table} ORDER BY agent_rank) "
+                                 "GROUP BY run_id").result_rows
+            assert dict(ranks) == {fresh.trace: [3], earlier.trace: [0, 3]}
+    finally:
+        for settings, client in stores:
+            client.command(f"DROP DATABASE {settings.database}")

@@ -34,6 +34,7 @@ from loopwatch.ingest.otlp.decode import DecodedRequest, PayloadError, decode_js
 from loopwatch.ingest.otlp.mapping import map_spans
 from loopwatch.ingest.otlp.server import OtlpReceiver
 from loopwatch.ingest.otlp.settings import OtlpSettings
+from loopwatch.ingest.structs import encode_claim
 from loopwatch.ingest.wire import exact_json
 from tests.conftest import wait_for
 from tests.test_hostile_pipeline import ODD_STRINGS, json_values
@@ -91,12 +92,28 @@ def hostile_document(draw: st.DrawFn) -> Any:
     return {"resourceSpans": [scope]}
 
 
+def _as_sent(event: Any) -> tuple[dict[str, Any], list[str]]:
+    """What the receiver's emitter sends for an event (a model or the receiver's struct),
+    read back: its fields, and the order of its extras (which the store keeps)."""
+    if isinstance(event, EventBase):
+        line = event.__pydantic_serializer__.to_json(event, exclude_none=True)
+        return orjson.loads(line), list(event.__pydantic_extra__ or {})
+    return orjson.loads(encode_claim(event)), list(event.__pydantic_extra__)
+
+
 def _map(decoded: DecodedRequest) -> None:
+    """Mapped as models and as the receiver maps (structs where msgspec takes them):
+    the same events, sent as the same JSON, and the same dead letters with the same
+    reasons."""
     batch = map_spans(decoded.spans, decoded.bad)
     for event in batch.events:
         assert isinstance(event, EventBase)
     for unmapped in batch.unmapped:
         assert unmapped.reason
+    received = map_spans(decoded.spans, decoded.bad, structs=True)
+    assert [_as_sent(event) for event in received.events] == [
+        _as_sent(event) for event in batch.events]
+    assert [u.reason for u in received.unmapped] == [u.reason for u in batch.unmapped]
 
 
 @hypothesis_settings(max_examples=EXAMPLES, deadline=None, database=None,
@@ -136,6 +153,45 @@ def test_a_resource_or_scope_that_is_not_an_object_is_refused_with_a_reason(wher
     (resource_spans if where == "resource" else scope_spans)[where] = 1
     with pytest.raises(PayloadError):
         decode_json(orjson.dumps({"resourceSpans": [resource_spans]}))
+
+
+def _attribute(key: str, value: Any) -> dict[str, Any]:
+    kind = "intValue" if isinstance(value, int) else (
+        "doubleValue" if isinstance(value, float) else "stringValue")
+    return {"key": key, "value": {kind: str(value) if kind == "intValue" else value}}
+
+
+#: spans the contract refuses, or takes only as pydantic does, at the receiver's build
+EDGE_SPANS = {
+    "tokens past the contract's bound": [("gen_ai.usage.input_tokens", 10**12 + 1)],
+    "a negative reported cost": [("gen_ai.usage.cost", -1.5)],
+    "an agent name over 256 characters": [("gen_ai.agent.name", "x" * 300)],
+    "a 256-character agent name": [("gen_ai.agent.name", "y" * 256)],
+    "a worker given as a number": [("loopwatch.worker_id", 7)],
+    "a time to first chunk below zero": [("gen_ai.response.time_to_first_chunk", -0.5)],
+    "odd strings": [("gen_ai.request.model", "\u2028\x00 é \U0001F600"),
+                    ("gen_ai.conversation.id", '"q\\'), ("gen_ai.agent.id", "")],
+    "an http status out of range": [("http.response.status_code", 700)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(EDGE_SPANS))
+def test_the_receiver_builds_edge_spans_as_the_contract_says(name: str):
+    """The receiver builds its events with msgspec where the contract allows; a span at
+    or past a bound maps (or is dead-lettered, with pydantic's reason) exactly as the
+    models do, also under an agent root and as a tool call."""
+    extra = [_attribute(key, value) for key, value in EDGE_SPANS[name]]
+    chat = dict(GOOD_SPAN, attributes=GOOD_SPAN["attributes"] + extra,
+                parentSpanId="b" * 16)
+    tool = dict(GOOD_SPAN, spanId="c" * 16, parentSpanId="b" * 16, name="execute_tool t",
+                attributes=[_attribute("gen_ai.operation.name", "execute_tool"),
+                            _attribute("gen_ai.tool.name", "t"), *extra])
+    root = dict(GOOD_SPAN, spanId="b" * 16, name="invoke_agent",
+                attributes=[_attribute("gen_ai.operation.name", "invoke_agent"), *extra])
+    for spans in ([chat], [chat, tool, root]):
+        decoded = decode_json(orjson.dumps({"resourceSpans": [{"scopeSpans": [{"spans": spans}]}]}))
+        assert len(decoded.spans) == len(spans)
+        _map(decoded)
 
 
 def test_a_span_time_beyond_any_date_is_dead_lettered():

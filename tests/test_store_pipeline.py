@@ -20,7 +20,7 @@ from loopwatch.ingest.wire import encode_envelope
 from loopwatch.processors.jobs.reprocess import MemoryRunStore, reprocess_with
 from loopwatch.processors.pipeline import Pipeline, RawMessage
 from loopwatch.processors.runs import seen_ids
-from loopwatch.runtime import _insert_action, _store_callbacks
+from loopwatch.runtime import _insert_action, _store_callbacks, _store_reads
 from loopwatch.store.clickhouse import connect, migrate, run_query
 from loopwatch.store.reader import DirectReader, QueryError, ServiceReader
 from loopwatch.store.remote_sink import ServiceSink
@@ -105,6 +105,41 @@ def test_a_run_read_back_from_the_store_still_knows_its_events(store):
     for work in (resumed, looked):
         run = work.rows.tables["runs"][-1]
         assert (run["outcome"], run["llm_calls"], run["cost_usd"]) == ("success", 1, 3.0)
+
+
+def test_many_runs_are_read_back_in_one_lookup(store):
+    """``lookup_runs`` (what the fold calls for every run of a window it does not hold)
+    returns each stored run with its folded event ids, leaves out runs the store does not
+    have, and asks in one query per ``LOOKUP_CHUNK`` runs, not one per run."""
+    settings = Settings(data_dir=store[0].data_dir, database="lookup_many_check")
+    client = migrate(settings)
+    runs = {run_id: run_events(run_id, 3.0) for run_id in ("many-a", "many-b")}
+    folded = {run_id: events[:2] for run_id, events in runs.items()}
+    writer = Pipeline(settings, MemoryRunStore())
+    ClickHouseSink(client).write_batch(writer.process(
+        messages([e for events in folded.values() for e in events])).rows)
+    reader = DirectReader(client)
+    queries: list[str] = []
+    query = reader.query
+
+    def counted(sql: str, parameters: dict | None = None):
+        queries.append(sql)
+        return query(sql, parameters)
+
+    reader.query = counted  # type: ignore[method-assign]
+    _, lookup_runs = _store_reads(reader)
+    found = lookup_runs(["many-a", "missing", "many-b"])
+    assert sorted(found) == ["many-a", "many-b"]
+    assert {run_id: seen_ids(state) for run_id, state in found.items()} == {
+        run_id: [e.event_id.bytes for e in events] for run_id, events in folded.items()}
+    assert len(queries) == 2  # the states, then their events' ids
+    looking_up = Pipeline(settings, MemoryRunStore(), lookup_runs=lookup_runs)
+    again = looking_up.process(messages(
+        [e for events in runs.values() for e in events[1:]], offset=1))
+    assert looking_up.counters.duplicates == 2
+    assert sorted((row["run_id"], row["outcome"], row["llm_calls"])
+                  for row in again.rows.tables["runs"]) == [
+        ("many-a", "success", 1), ("many-b", "success", 1)]
 
 
 def test_reprocess_applies_a_new_price_table(store, tmp_path: Path):

@@ -101,7 +101,7 @@ class SpanExport:
                 except PayloadError as exc:
                     raise Reject(400, str(exc)) from None
                 batch = map_spans(decoded.spans, decoded.bad,
-                                  capture=self.emitter.capture_message)
+                                  capture=self.emitter.capture_message, structs=True)
             wait = self.limits.publish_timeout_s
             self._publish(batch, wait if timeout_s is None else max(0.1, min(wait, timeout_s)))
         finally:

@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+import msgspec
 import orjson
 from pydantic import ValidationError
 
@@ -81,6 +82,7 @@ from loopwatch.ingest.events import (
 )
 from loopwatch.ingest.otlp import conventions as c
 from loopwatch.ingest.otlp.decode import STATUS_ERROR, BadSpan, Span
+from loopwatch.ingest.structs import claim_struct
 
 log = logging.getLogger(__name__)
 EVENT_NAMESPACE = uuid.UUID("6f0a6f1e-3c55-4c1b-9d7e-0c7a1d6b2f10")
@@ -336,8 +338,9 @@ def _resource_context(resource: dict[str, Any]) -> dict[str, Any]:
 
 
 class _Mapper:
-    def __init__(self, spans: Sequence[Span]) -> None:
+    def __init__(self, spans: Sequence[Span], structs: bool = False) -> None:
         self.batch = _Batch(spans)
+        self.structs = structs
         self._resources: dict[int, dict[str, Any]] = {}
         self._shared: dict[tuple[int, str | None], dict[str, Any]] = {}
 
@@ -401,8 +404,16 @@ class _Mapper:
 E = TypeVar("E", bound=EventBase)
 
 
-def _build(model: type[E], fields: dict[str, Any]) -> E:
-    """The event, validated against the contract (a violation dead-letters the span)."""
+def _build(mapper: _Mapper, model: type[E], fields: dict[str, Any]) -> E:
+    """The event, validated against the contract (a violation dead-letters the span):
+    for the receiver, its msgspec struct (:func:`loopwatch.ingest.structs.claim_struct`,
+    ~1.5 µs against pydantic's ~6, and encoded in ~0.5 against ~4), which reads as the
+    model does; what msgspec refuses is pydantic's to decide, and to word."""
+    if mapper.structs:
+        try:
+            return claim_struct(model, fields)  # type: ignore[no-any-return]
+        except (msgspec.ValidationError, ValueError):
+            pass
     return model.model_validate(fields)
 
 
@@ -461,7 +472,7 @@ def _llm_call(mapper: _Mapper, span: Span, convention: str) -> LlmCall:
         cost_usd=_number(first(attributes, c.REPORTED_COST)),
         otel_operation=str(operation or "chat"),
     )
-    return _build(LlmCall, fields)
+    return _build(mapper, LlmCall, fields)
 
 
 def _tool_arguments(value: Any) -> Any:
@@ -500,7 +511,7 @@ def _tool_call(mapper: _Mapper, span: Span, convention: str) -> ToolCall:
         error_type=error_type(span), http_status=_http_status(attributes),
         result_size_bytes=None if result is None else _size(result),
     )
-    return _build(ToolCall, fields)
+    return _build(mapper, ToolCall, fields)
 
 
 def _run_boundaries(mapper: _Mapper, span: Span, convention: str) -> tuple[RunStart, RunEnd]:
@@ -509,10 +520,11 @@ def _run_boundaries(mapper: _Mapper, span: Span, convention: str) -> tuple[RunSt
     model = str(first(span.attributes, c.REQUEST_MODEL) or "")
     failure = error_type(span)
     return (
-        _build(RunStart, {**start, "ts": _ts(span.start_ns or span.end_ns), "model": model}),
-        _build(RunEnd, {**end, "ts": _ts(span.end_ns), "model": model,
-                  "terminal_reason": "crash" if failure else "model_done",
-                  "error_type": failure}),
+        _build(mapper, RunStart, {**start, "ts": _ts(span.start_ns or span.end_ns),
+                                  "model": model}),
+        _build(mapper, RunEnd, {**end, "ts": _ts(span.end_ns), "model": model,
+                                "terminal_reason": "crash" if failure else "model_done",
+                                "error_type": failure}),
     )
 
 
@@ -612,7 +624,7 @@ def _with_capture(event: E, values: dict[str, Any], capture: CaptureBuilder,
         log.exception("could not capture the content of span %s", event.span_id)
         return event
     captures.append(message)
-    if not isinstance(event, LlmCall):
+    if getattr(event, "event_type", None) != "llm.call":  # a model or its struct
         return event
     update: dict[str, Any] = {}
     for name in ("prompt", "response"):
@@ -630,10 +642,13 @@ def _validation_reason(exc: ValidationError) -> str:
 
 
 def map_spans(spans: Sequence[Span], bad: Sequence[BadSpan] = (),
-              capture: CaptureBuilder | None = None) -> MappedBatch:
+              capture: CaptureBuilder | None = None, *, structs: bool = False) -> MappedBatch:
     """Map one batch as far as possible; see the module doc for what becomes what.
-    With ``capture``, span content also becomes ``MappedBatch.captures``."""
-    mapper = _Mapper(spans)
+    With ``capture``, span content also becomes ``MappedBatch.captures``. With
+    ``structs`` (the receiver) the events are msgspec structs that read as their models
+    (:func:`loopwatch.ingest.structs.claim_struct`; the emitter encodes either), where
+    the contract allows: the same fields, the same JSON for the processors."""
+    mapper = _Mapper(spans, structs)
     batch = mapper.batch
     result = MappedBatch(unmapped=[Unmapped(b.reason, b.trace_id, b.raw) for b in bad])
     starts: list[EventBase] = []

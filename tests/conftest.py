@@ -45,14 +45,17 @@ STACK_FIXTURES = frozenset({"broker", "alertmanager", "pipeline", "browser"})
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
-    """Mark the stack tier, and keep it on one xdist worker (``--dist loadgroup``), in
-    order: its tests share that worker's one broker and ``up``, while the fast tier's
-    tests go to either worker. Per item as it is collected: xdist reads the groups in
-    its ``pytest_collection_modifyitems``, which may run before this project's."""
+    """Mark the stack tier and split it in two xdist groups (``--dist loadgroup``), each
+    run in order on one worker while the fast tier's tests go to either: ``stack``, the
+    tests of the session's one broker and ``up`` (one worker starts them once), and
+    ``stack_own``, the tests that start brokers and ``up`` of their own. Per item as it
+    is collected: xdist reads the groups in its ``pytest_collection_modifyitems``, which
+    may run before this project's."""
     if STACK_FIXTURES.intersection(getattr(item, "fixturenames", ())):
         item.add_marker(pytest.mark.stack)
-    if item.get_closest_marker("stack"):
         item.add_marker(pytest.mark.xdist_group("stack"))
+    elif item.get_closest_marker("stack"):
+        item.add_marker(pytest.mark.xdist_group("stack_own"))
 
 
 PIPELINE_ENV = {

@@ -1,5 +1,6 @@
-"""The two tiers and how xdist runs them: the stack tier as one group on one worker,
-in order, sharing that worker's broker and ``up`` (tests/conftest.py)."""
+"""The two tiers and how xdist runs them: the stack tier as two groups, each on one
+worker in order: the tests of the session's broker and ``up``, and the tests that
+start their own (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,22 @@ def test_a_fast_test_is_in_no_group(request: pytest.FixtureRequest) -> None:
     assert "@" not in request.node.nodeid
 
 
-@pytest.mark.stack  # only to be grouped: it starts nothing
-def test_a_stack_test_runs_in_the_stack_group(request: pytest.FixtureRequest) -> None:
+def _assert_grouped(request: pytest.FixtureRequest, group: str) -> None:
     """Under ``--dist loadgroup`` the group shows as the node id's suffix; a pytest whose
     node ids xdist cannot suffix (9.2, pytest-dev/pytest-xdist#1386) spreads the stack
     tier over every worker, each starting a broker and an ``up`` of its own."""
-    assert request.node.get_closest_marker("xdist_group").args == ("stack",)
+    assert [mark.args for mark in request.node.iter_markers("xdist_group")] == [(group,)]
     if os.environ.get("PYTEST_XDIST_WORKER") and request.config.getoption("dist") == "loadgroup":
-        assert request.node.nodeid.endswith("@stack")
+        assert request.node.nodeid.endswith(f"@{group}")
+
+
+@pytest.mark.stack  # only to be grouped: it starts nothing
+def test_a_test_that_starts_its_own_stack_runs_in_the_own_group(
+        request: pytest.FixtureRequest) -> None:
+    _assert_grouped(request, "stack_own")
+
+
+def test_a_test_of_the_session_stack_runs_in_the_stack_group(
+        request: pytest.FixtureRequest, broker: object) -> None:
+    assert request.node.get_closest_marker("stack") is not None
+    _assert_grouped(request, "stack")

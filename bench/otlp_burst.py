@@ -52,6 +52,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 from loopwatch.bench.pipeline import BASE_ENV, THROUGHPUT_ENV, cpu_seconds, wait_group_stable
 from loopwatch.core.config import load_settings
 from loopwatch.core.embedded.broker import EmbeddedBroker
+from loopwatch.core.processes import children
 from loopwatch.core.topics import ensure_topics
 from loopwatch.upprocess import UpProcess
 
@@ -211,11 +212,7 @@ def post_all(url: str, bodies: list[bytes], connections: int) -> dict[str, Any]:
 
 def family_cpu_s(pid: int) -> float:
     """CPU seconds of ``pid`` and its live children (the OTLP receiver's process)."""
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
-        children = []
-    return cpu_seconds(pid)[1] + sum(cpu_seconds(int(child))[1] for child in children)
+    return cpu_seconds(pid)[1] + sum(cpu_seconds(child)[1] for child in children(pid))
 
 
 def stored(up: UpProcess, worker: str) -> tuple[int, int]:

@@ -17,6 +17,7 @@ from kafka import KafkaConsumer, TopicPartition
 
 from loopwatch.core.config import Settings, load_settings
 from loopwatch.core.embedded.broker import EmbeddedBroker
+from loopwatch.core.processes import children
 from loopwatch.ingest.sdk import Emitter, RunContext
 from loopwatch.upprocess import UpProcess
 from tests.conftest import PIPELINE_ENV, scalar, stored_events, wait_for, wait_stored
@@ -109,11 +110,11 @@ def retries_shown(log: Path) -> int:
 
 def _child_pid(parent: int, name: str) -> int:
     """The pid of ``parent``'s child whose command name starts with ``name``."""
-    children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
-    for pid in map(int, children):
+    found = children(parent)
+    for pid in found:
         if Path(f"/proc/{pid}/comm").read_text().strip().startswith(name):
             return pid
-    raise LookupError(f"no child {name!r} of {parent}: {children}")
+    raise LookupError(f"no child {name!r} of {parent}: {found}")
 
 
 def _committed_everything(bootstrap: str, settings: Settings) -> bool:

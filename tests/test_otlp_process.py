@@ -16,6 +16,7 @@ import pytest
 from loopwatch.bench.otlp_burst import EVENTS_PER_TRACE, build_burst, burst_worker, stored
 from loopwatch.core.config import Settings
 from loopwatch.core.embedded.broker import EmbeddedBroker
+from loopwatch.core.processes import children
 from loopwatch.core.topics import ensure_topics
 from loopwatch.ingest.otlp.process import ReceiverProcess
 from loopwatch.ingest.otlp.settings import OtlpSettings
@@ -25,12 +26,8 @@ from tests.conftest import PIPELINE_ENV, wait_for
 
 def receiver_children(pid: int) -> list[int]:
     """Children of ``pid`` running the OTLP receiver module."""
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
-        return []
     found = []
-    for child in children:
+    for child in children(pid):
         try:
             command = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
         except OSError:

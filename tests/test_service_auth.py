@@ -28,6 +28,7 @@ import orjson
 import pytest
 
 from loopwatch.core.config import Settings
+from loopwatch.core.processes import family
 from loopwatch.detectors.outbox import Outbox
 from loopwatch.ingest.privatefs import mode
 from loopwatch.ingest.spool import DiskSpool
@@ -273,18 +274,6 @@ def test_a_socket_path_too_long_for_unix_binds_a_private_temporary_one(local_sto
 
 
 # -- a web page on another origin, in a real browser --------------------------------------
-
-
-def family(pid: int) -> list[int]:
-    """``pid`` and every process below it (``up``'s OTLP receiver is a child process)."""
-    found, queue = [], [pid]
-    while queue:
-        current = queue.pop()
-        found.append(current)
-        for children in Path(f"/proc/{current}/task").glob("*/children"):
-            with contextlib.suppress(OSError):
-                queue.extend(int(child) for child in children.read_text().split())
-    return found
 
 
 def listening_ports(pid: int) -> list[int]:

@@ -1,9 +1,32 @@
-"""Stopping child processes (the embedded broker, `loopwatch up`, benchmark workers)."""
+"""Child processes (the embedded broker, `loopwatch up`, its OTLP receiver, benchmark
+workers): finding them and stopping them."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
+from pathlib import Path
 from typing import Any
+
+
+def children(pid: int) -> list[int]:
+    """The live children of ``pid``, whichever of its threads started them (Linux's
+    ``/proc/PID/task/TID/children``); none once ``pid`` is gone."""
+    found: list[int] = []
+    for listing in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            found.extend(int(child) for child in listing.read_text().split())
+    return found
+
+
+def family(pid: int) -> list[int]:
+    """``pid`` and every live process below it."""
+    found, queue = [], [pid]
+    while queue:
+        current = queue.pop()
+        found.append(current)
+        queue.extend(children(current))
+    return found
 
 
 def terminate(process: subprocess.Popen[Any], timeout_s: float) -> int:

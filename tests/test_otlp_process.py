@@ -7,6 +7,8 @@ from __future__ import annotations
 import http.client
 import os
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -127,3 +129,17 @@ def test_the_receiver_process_ends_when_its_parent_s_pipe_does(tmp_path: Path) -
         assert receiver._child.returncode == 0
     finally:
         receiver.stop()
+
+
+def test_receivers_that_do_not_stop_in_time_do_not_keep_the_child_alive() -> None:
+    """A stop stuck in a flush (a stand-in receiver whose stop never returns) ends the
+    process after the bound, with exit code 1; one that stops returns normally."""
+    code = ("import time; from loopwatch.ingest.otlp.process import _stop_within\n"
+            "class Stuck:\n    def stop(self): time.sleep(300)\n"
+            "class Quick:\n    def stop(self): pass\n"
+            "_stop_within(Quick(), 5); print('quick stopped', flush=True)\n"
+            "_stop_within(Stuck(), 0.5); print('not reached')\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert (result.returncode, result.stdout) == (1, "quick stopped\n"), result.stderr
+    assert "the receivers did not stop within 0 s; exiting" in result.stderr

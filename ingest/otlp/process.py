@@ -41,6 +41,8 @@ from loopwatch.ingest.otlp.settings import OtlpSettings
 log = logging.getLogger(__name__)
 #: how long the parent waits for the child's address line (imports take ~1-3 s)
 START_TIMEOUT_S = 60.0
+#: how long the child's receivers may take to stop before it exits anyway
+STOP_WITHIN_S = 15.0
 #: how often the child checks that its parent is still there
 PARENT_CHECK_S = 0.5
 
@@ -136,7 +138,20 @@ def main() -> None:
     while not stop.wait(PARENT_CHECK_S):
         if os.getppid() != parent:
             break
-    receiver.stop()
+    _stop_within(receiver, STOP_WITHIN_S)
+
+
+def _stop_within(receiver: Any, timeout_s: float) -> None:
+    """Stop the receivers, or leave at once if that takes longer than ``timeout_s`` (a
+    flush to a broker that is slow or gone): nothing unacknowledged was answered 200, so
+    what an exit drops its clients send again, and an orphan must not outlive ``up``."""
+    closing = threading.Thread(target=receiver.stop, name="receiver-stop", daemon=True)
+    closing.start()
+    closing.join(timeout_s)
+    if closing.is_alive():
+        logging.getLogger(__name__).warning(
+            "the receivers did not stop within %.0f s; exiting", timeout_s)
+        os._exit(1)
 
 
 if __name__ == "__main__":

@@ -140,10 +140,10 @@ class DrainingWorker(faust.Worker):
         self._stop_now()
 
 
-#: a run's stored event ids, oldest first: its ``seen`` set (``runs.state`` leaves it out)
 #: runs one lookup query asks for at most (their ids are a query parameter)
 LOOKUP_CHUNK = 1000
 
+#: a run's stored event ids, oldest first: its ``seen`` set (``runs.state`` leaves it out)
 SEEN_SQL = """
 SELECT run_id, groupArray(toString(event_id)) FROM (
     SELECT run_id, event_id FROM events FINAL WHERE run_id IN {run_ids:Array(String)}
@@ -164,17 +164,6 @@ SELECT run_id, groupArray((toString(event_id), toUnixTimestamp64Milli(ts), agent
     ORDER BY run_id, ts, event_id)
 GROUP BY run_id
 """
-
-
-def _store_callbacks(reader: Reader, settings: Settings | None = None
-                     ) -> tuple[Callable[[], list[RunState]], Callable[[str], RunState | None]]:
-    """:func:`_store_reads` with the lookup of one run at a time."""
-    open_runs, lookup_runs = _store_reads(reader, settings)
-
-    def lookup_run(run_id: str) -> RunState | None:
-        return lookup_runs([run_id]).get(run_id)
-
-    return open_runs, lookup_run
 
 
 def _store_reads(reader: Reader, settings: Settings | None = None

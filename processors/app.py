@@ -329,7 +329,6 @@ class Processor:
         bootstrap: str,
         sink: Sink,
         open_runs: Any = None,
-        lookup_run: Any = None,
         skip_once: tuple[int, int] | None = None,
         lookup_runs: RunLookup | None = None,
     ) -> None:
@@ -363,8 +362,7 @@ class Processor:
         )
         self.store = TableRunStore(self.table, self.app, settings.events_topic,
                                    self.kafka_writes, record_limit(settings))
-        self.pipeline = Pipeline(settings, self.store, lookup_run=lookup_run,
-                                 lookup_runs=lookup_runs)
+        self.pipeline = Pipeline(settings, self.store, lookup_runs=lookup_runs)
 
         def reindex_on_assignment(sender: Any, /, *args: Any, signal: Any,
                                   **kwargs: Any) -> None:

@@ -25,7 +25,7 @@ from loopwatch.ingest.wire import encode_event
 from loopwatch.processors.app import Processor
 from loopwatch.processors.pipeline import RawMessage
 from loopwatch.processors.runs import RunState, seen_ids
-from loopwatch.runtime import _store_callbacks
+from loopwatch.runtime import _store_reads
 from loopwatch.store.reader import ServiceReader, ServiceUnreachable
 from loopwatch.store.sink import RowBatch
 from tests.conftest import scalar, wait_for
@@ -108,13 +108,14 @@ def test_a_changelogged_state_that_cannot_be_read_is_read_from_the_store_instead
     run. One that decodes but holds a field of another type (an incompatible build)
     cost each of the run's events a dead letter (a text step count), or its run was
     counted on from the wrong values (a number among the actions read as a state). The processor now
-    drops it and takes the run from ClickHouse (``lookup_run``, as for a run it never
+    drops it and takes the run from ClickHouse (``lookup_runs``, as for a run it never
     saw), so counting goes on from the last stored row. The faust table is real (memory
     store, nothing started: no broker is needed to read and write its data)."""
     stored = RunState(run_id="damaged", partition=0, agent="a", first_ms=1_000,
                       last_ms=2_000, steps=4, version=5)
     processor = Processor(Settings(data_dir=tmp_path), "127.0.0.1:1", _Discard(),
-                          lookup_run=lambda run_id: stored if run_id == "damaged" else None)
+                          lookup_runs=lambda run_ids: {run_id: stored for run_id in run_ids
+                                                       if run_id == "damaged"})
     processor.table.data[b"damaged"] = value
     assert processor.store.get("damaged") is None
     steps = [Step(run_id="damaged", agent="a", step=step) for step in (5, 6)]
@@ -138,7 +139,7 @@ def test_a_sweep_pass_that_cannot_reach_the_store_is_logged_and_tried_again(
     gone = tmp_path / "service.sock"  # left by an owner that was killed
     socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).bind(str(gone))
     unreachable = ServiceReader(f"unix:{gone}")
-    open_runs, lookup_run = _store_callbacks(unreachable)
+    open_runs, lookup_runs = _store_reads(unreachable)
     asked: list[int] = []
 
     def counted_open_runs() -> list[RunState]:
@@ -146,7 +147,7 @@ def test_a_sweep_pass_that_cannot_reach_the_store_is_logged_and_tried_again(
         return open_runs()
 
     processor = Processor(Settings(data_dir=tmp_path), "127.0.0.1:1", _Discard(),
-                          open_runs=counted_open_runs, lookup_run=lookup_run)
+                          open_runs=counted_open_runs, lookup_runs=lookup_runs)
     monkeypatch.setattr(processor, "_ready", lambda: True)
     monkeypatch.setattr(processor.store, "active_partitions", lambda: {0, 1})
     with caplog.at_level(logging.ERROR, logger="loopwatch.processors.app"):

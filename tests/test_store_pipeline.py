@@ -20,7 +20,7 @@ from loopwatch.ingest.wire import encode_envelope
 from loopwatch.processors.jobs.reprocess import MemoryRunStore, reprocess_with
 from loopwatch.processors.pipeline import Pipeline, RawMessage
 from loopwatch.processors.runs import seen_ids
-from loopwatch.runtime import _insert_action, _store_callbacks, _store_reads
+from loopwatch.runtime import _insert_action, _store_reads
 from loopwatch.store.clickhouse import connect, migrate, run_query
 from loopwatch.store.reader import DirectReader, QueryError, ServiceReader
 from loopwatch.store.remote_sink import ServiceSink
@@ -90,16 +90,16 @@ def test_a_run_read_back_from_the_store_still_knows_its_events(store):
     stored = run_query(client, "SELECT state FROM runs FINAL WHERE run_id = 'read-back'"
                        ).scalar()
     assert json.loads(str(stored))["seen"] == ""
-    open_runs, lookup_run = _store_callbacks(DirectReader(client))
+    open_runs, lookup_runs = _store_reads(DirectReader(client))
     adopted = open_runs()
-    looked_up = lookup_run("read-back")
+    looked_up = lookup_runs(["read-back"]).get("read-back")
     assert looked_up is not None and [state.run_id for state in adopted] == ["read-back"]
-    assert lookup_run("by-hand") is None
+    assert lookup_runs(["by-hand"]) == {}
     assert seen_ids(looked_up) == seen_ids(adopted[0]) == [e.event_id.bytes for e in events[:2]]
     adopting = Pipeline(settings, MemoryRunStore())
     assert adopting.adopt(adopted) == 1
     resumed = adopting.process(messages(events, offset=1))  # the first two again, the end
-    looking_up = Pipeline(settings, MemoryRunStore(), lookup_run=lookup_run)
+    looking_up = Pipeline(settings, MemoryRunStore(), lookup_runs=lookup_runs)
     looked = looking_up.process(messages(events[1:], offset=2))  # the call again, the end
     assert (adopting.counters.duplicates, looking_up.counters.duplicates) == (2, 1)
     for work in (resumed, looked):

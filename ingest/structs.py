@@ -167,13 +167,15 @@ STRUCTS = frozenset(MIRRORS)
 _ANY_EVENT = Union[tuple(MIRRORS)]  # type: ignore[valid-type]  # noqa: UP007
 
 
-class _Envelope(msgspec.Struct, forbid_unknown_fields=True):
-    envelope_version: int
-    events: list[_ANY_EVENT]  # type: ignore[valid-type]
+def _decoders(events: Any) -> tuple[msgspec.json.Decoder[Any], msgspec.json.Decoder[Any]]:
+    """Decoders of an envelope of ``events`` (a union of structs) and of one event."""
+    envelope = msgspec.defstruct("Envelope", [("envelope_version", int),
+                                              ("events", list[events])],
+                                 forbid_unknown_fields=True)
+    return msgspec.json.Decoder(envelope), msgspec.json.Decoder(events)
 
 
-_ENVELOPE = msgspec.json.Decoder(_Envelope)
-_EVENT = msgspec.json.Decoder(_ANY_EVENT)
+_ENVELOPE, _EVENT = _decoders(_ANY_EVENT)
 
 
 _ENCODER = msgspec.json.Encoder()
@@ -302,13 +304,7 @@ CLAIM_MIRRORS: dict[type[msgspec.Struct], type[EventBase]] = {
 _ANY_CLAIM = Union[tuple(CLAIM_MIRRORS)]  # type: ignore[valid-type]  # noqa: UP007
 
 
-class _ClaimEnvelope(msgspec.Struct, forbid_unknown_fields=True):
-    envelope_version: int
-    events: list[_ANY_CLAIM]  # type: ignore[valid-type]
-
-
-_CLAIM_ENVELOPE = msgspec.json.Decoder(_ClaimEnvelope)
-_CLAIM_EVENT = msgspec.json.Decoder(_ANY_CLAIM)
+_CLAIM_ENVELOPE, _CLAIM_EVENT = _decoders(_ANY_CLAIM)
 
 
 class Claimed(NamedTuple):

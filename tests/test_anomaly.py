@@ -9,6 +9,7 @@ from datetime import datetime, timedelta
 
 import numpy as np
 import pytest
+from scipy.stats import ks_2samp
 
 from loopwatch.bench.nab_score import (
     LabelledSeries,
@@ -142,6 +143,24 @@ def test_ks_sees_a_distribution_shift_with_the_same_mean() -> None:
     after = score_series(det, rng.choice([300.0, 700.0], 150) + rng.normal(0.0, 20.0, 150))
     assert max(before) < ALERT
     assert max(after) >= 0.6
+
+
+def test_ks_unwrapped_gives_scipys_p_values() -> None:
+    """KSShift calls ks_2samp without its axis/NaN wrapper: the same p-value, point by
+    point, as the public function on the windows it sees (ties and shifts included)."""
+    rng = np.random.default_rng(8)
+    series = np.concatenate([rng.gamma(4.0, 100.0, 420).round(), rng.gamma(4.0, 70.0, 80)])
+    det = KSShift(reference=200, recent=50, min_reference=60)
+    compared = 0
+    for x in series:
+        held = np.array(det._held)
+        if len(held) >= det.min_reference + det.recent - 1:
+            split = len(held) - (det.recent - 1)
+            expected = ks_2samp(held[:split], np.append(held[split:], x)).pvalue
+            assert det.p_value(float(x)) == float(expected)
+            compared += 1
+        det.learn_one(float(x))
+    assert compared == 500 - 109
 
 
 def test_seasonal_uses_the_time_of_day() -> None:

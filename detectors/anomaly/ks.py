@@ -10,6 +10,11 @@ from scipy.stats import ks_2samp
 
 from loopwatch.detectors.anomaly.base import surprise
 
+#: ks_2samp without scipy's axis/NaN-policy wrapper, which costs ~3/4 of a 300 x 60 test
+#: (0.78 ms against 0.17 on the reference machine) and does nothing for the two finite
+#: 1-D arrays given here: the same statistic and p-value (tests/test_anomaly.py)
+_ks_2samp = getattr(ks_2samp, "__wrapped__", ks_2samp)
+
 
 class KSShift:
     """KS test between the ``reference`` points before the recent ones and the ``recent``.
@@ -51,7 +56,7 @@ class KSShift:
         values = np.fromiter(self._held, dtype=np.float64, count=held)
         split = held - (self.recent - 1)
         recent = np.append(values[split:], x)
-        result = ks_2samp(values[:split], recent)
+        result = _ks_2samp(values[:split], recent)
         return float(result.pvalue)
 
     def score_one(self, x: float, t: datetime | None = None) -> float:

@@ -58,6 +58,27 @@ def pytest_itemcollected(item: pytest.Item) -> None:
         item.add_marker(pytest.mark.xdist_group("stack_own"))
 
 
+#: fast-tier modules that run long or as one xdist group (their module fixture starts
+#: children ahead): handed out first, after the stack groups, so that neither worker is
+#: left running one of them at the end while the other idles
+LONG_FIRST = frozenset({"test_scenarios.py", "test_cli_contract.py", "test_cli_store.py",
+                        "test_cli_numbers.py"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Order the work as xdist hands it out (by first appearance): the ``stack`` group,
+    the ``stack_own`` group, :data:`LONG_FIRST`, then the rest; a stable sort, so each
+    group's tests keep their order."""
+    def rank(item: pytest.Item) -> int:
+        if STACK_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            return 0
+        if item.get_closest_marker("stack"):
+            return 1
+        return 2 if item.path.name in LONG_FIRST else 3
+
+    items.sort(key=rank)
+
+
 PIPELINE_ENV = {
     "LOOPWATCH_ABANDON_TTL_S": "6",
     "LOOPWATCH_IDLE_ADVANCE_S": "2",

@@ -15,9 +15,12 @@ child of its own, with the same arguments and environment.
 
 from __future__ import annotations
 
+import atexit
 import os
+import re
 import subprocess
 import sys
+import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -27,6 +30,7 @@ import typer
 
 from loopwatch.cli import app
 from loopwatch.core.embedded.broker import free_port
+from tests.forkserver import ForkServer
 
 #: one worker runs the module, in order: its fixture starts the children of every case
 #: ahead (tests/test_cli_contract.py Runs), which only this process's cases take
@@ -191,8 +195,10 @@ def loopwatch_in(args: list[str], tmp_path: Path, made: bool = False, **env: str
     return ahead if ahead is not None else (_run(args, tmp_path, env), tmp_path)
 
 
-def _run(args: list[str], tmp_path: Path, env: dict[str, str]
+def _run(args: list[str], tmp_path: Path, env: dict[str, str], fresh: bool = False
          ) -> subprocess.CompletedProcess[str]:
+    """The child of one case: forked from the CLI fork server, or (``fresh``) a new
+    ``python -m loopwatch.cli`` interpreter, as a user starts it."""
     environment = {key: value for key, value in os.environ.items()
                    if not key.startswith("LOOPWATCH_")}
     environment.update({
@@ -204,8 +210,23 @@ def _run(args: list[str], tmp_path: Path, env: dict[str, str]
         "COLUMNS": "100",
         **env})
     environment = {key: value for key, value in environment.items() if value}  # "" = unset
+    if not fresh:
+        return _forks().run(args, environment, tmp_path / "cli-output")
     return subprocess.run([sys.executable, "-m", "loopwatch.cli", *args], env=environment,
                           capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+
+
+_FORKS: list[ForkServer] = []
+_FORKS_LOCK = threading.Lock()
+
+
+def _forks() -> ForkServer:
+    """This test process's CLI fork server (tests/forkserver.py), started on first use."""
+    with _FORKS_LOCK:
+        if not _FORKS:
+            _FORKS.append(ForkServer())
+            atexit.register(_FORKS[0].close)
+        return _FORKS[0]
 
 
 def assert_contract(result: subprocess.CompletedProcess[str], code: int) -> None:
@@ -213,6 +234,37 @@ def assert_contract(result: subprocess.CompletedProcess[str], code: int) -> None
     assert result.returncode == code, result.stderr[-3000:]
     assert len(lines) == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr and SECRET not in result.stderr + result.stdout
+
+
+#: cases run both ways by the fidelity test: a usage error, a refused store, a traceback
+#: asked for by flag and by environment, settings the CLI refuses, a bad bootstrap
+FIDELITY: list[tuple[list[str], dict[str, str]]] = [
+    (["bench", "--events", "many"], {}), (["query", "SELECT 1"], {}),
+    (["--debug", "query", "SELECT 1"], {}), (["query", "SELECT 1"], {"LOOPWATCH_DEBUG": "1"}),
+    (["query", "SELECT 1"], INVALID_SETTINGS),
+    (["alerts"], {"LOOPWATCH_KAFKA_BOOTSTRAP": BOOTSTRAPS[0]}), (["dlq"], {}),
+]
+
+
+def test_forked_children_answer_as_fresh_interpreters_do(tmp_path):
+    """The fork server's children (tests/forkserver.py) are the CLI's real runs only if
+    nothing the CLI imports reads the environment early: each case above, forked and as
+    a new interpreter, gives the same exit status, stdout and stderr (query ids and
+    object addresses aside; of a traceback, its last line: the frames above the CLI's
+    are runpy's in one and the fork server's in the other)."""
+    for number, (args, env) in enumerate(FIDELITY):
+        seen = []
+        for way in ("forked", "fresh"):
+            result = _run(args, tmp_path / f"{way}-{number}", env, fresh=way == "fresh")
+            stderr = _VARYING.sub("~", result.stderr.replace(f"{way}-{number}", "~"))
+            if "Traceback" in stderr:
+                stderr = "Traceback ... " + stderr.strip().splitlines()[-1]
+            seen.append((result.returncode, result.stdout, stderr))
+        assert seen[0] == seen[1], args
+
+
+#: what differs between two runs of one case: uuids (query ids) and object addresses
+_VARYING = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|0x[0-9a-f]+")
 
 
 def test_every_command_has_a_hostile_case():

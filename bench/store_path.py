@@ -181,7 +181,7 @@ def settle(client: Client, quiet_s: float = 1.0, timeout_s: float = 300) -> None
 
 def fingerprint(client: Client, skip: tuple[str, ...] = ()) -> dict[str, list[Any]]:
     """Per compared table: row count and, per stored column (but ``skip``), a hash of
-    its values."""
+    its values, as queries read them (``FINAL`` on replacing tables)."""
     found: dict[str, list[Any]] = {}
     for table in (*COMPARED, tables.RUNS):
         columns = [name for (name,) in client.query(
@@ -190,7 +190,12 @@ def fingerprint(client: Client, skip: tuple[str, ...] = ()) -> dict[str, list[An
             parameters={"t": table}).result_rows if name not in skip]
         sums = ", ".join(f"sum(cityHash64(ifNull(toString({name}), '<null>')))"
                          for name in columns)
-        final = " FINAL" if table == tables.RUNS else ""
+        engine = client.query("SELECT engine FROM system.tables WHERE database = "
+                              "currentDatabase() AND name = {t:String}",
+                              parameters={"t": table}).result_rows[0][0]
+        # a replacing table's content is what FINAL reads: rows a later insert replaced
+        # (an agent's revision) stay apart until a merge that may not have run yet
+        final = " FINAL" if str(engine).startswith("Replacing") else ""
         values = client.query(f"SELECT count(), {sums} FROM {table}{final}").result_rows[0]
         found[table] = [int(value) for value in values]
         found[table + ":columns"] = columns

@@ -252,15 +252,19 @@ def test_forked_children_answer_as_fresh_interpreters_do(tmp_path):
     a new interpreter, gives the same exit status, stdout and stderr (query ids and
     object addresses aside; of a traceback, its last line: the frames above the CLI's
     are runpy's in one and the fork server's in the other)."""
-    for number, (args, env) in enumerate(FIDELITY):
-        seen = []
-        for way in ("forked", "fresh"):
-            result = _run(args, tmp_path / f"{way}-{number}", env, fresh=way == "fresh")
-            stderr = _VARYING.sub("~", result.stderr.replace(f"{way}-{number}", "~"))
-            if "Traceback" in stderr:
-                stderr = "Traceback ... " + stderr.strip().splitlines()[-1]
-            seen.append((result.returncode, result.stdout, stderr))
-        assert seen[0] == seen[1], args
+    def answer(number: int, way: str) -> tuple[int, str, str]:
+        args, env = FIDELITY[number]
+        result = _run(args, tmp_path / f"{way}-{number}", env, fresh=way == "fresh")
+        stderr = _VARYING.sub("~", result.stderr.replace(f"{way}-{number}", "~"))
+        if "Traceback" in stderr:
+            stderr = "Traceback ... " + stderr.strip().splitlines()[-1]
+        return result.returncode, result.stdout, stderr
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        answers = {(number, way): pool.submit(answer, number, way)
+                   for number in range(len(FIDELITY)) for way in ("forked", "fresh")}
+    for number, (args, _) in enumerate(FIDELITY):
+        assert answers[number, "forked"].result() == answers[number, "fresh"].result(), args
 
 
 #: what differs between two runs of one case: uuids (query ids) and object addresses

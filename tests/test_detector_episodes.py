@@ -59,20 +59,24 @@ def test_episodic_pages_once_per_level_shift() -> None:
 
 
 def test_range_check_waits_until_the_range_has_been_seen_long_enough() -> None:
-    """A record on a range seen for 600 points is left to the likelihood (0.576) when the
-    range check waits 1000 or 1500 points; a record after the wait still scores 1.0."""
+    """While the likelihood learns (388 points) the range check is the only voice and
+    scores a record 1.0 (row 200); after that, a record on a range seen for 600 points is
+    left to the likelihood (0.568) when the range check waits 1000 or 1500 points; a
+    record after the wait scores 1.0 again."""
     values = [10.0 + 0.1 * (i % 7) for i in range(2000)]
-    values[600], values[1600] = 60.0, 110.0
+    values[200], values[600], values[1600] = 30.0, 60.0, 110.0
     times = minutes(2000)
 
     def scores(warmup: int) -> list[float]:
         config = replace(EPISODIC, spatial_warmup=warmup)
         return score_series(GenericDetector(config), values, times)
 
+    assert EPISODIC.spatial_warmup == 1500
     for warmup in (1000, 1500):
-        assert scores(warmup)[600] == pytest.approx(0.5758841521104108, abs=1e-12)
-        assert scores(warmup)[1600] == 1.0
-    assert scores(0)[600] == scores(0)[1600] == 1.0
+        waited = scores(warmup)
+        assert waited[200] == waited[1600] == 1.0
+        assert waited[600] == pytest.approx(0.5680928910532889, abs=1e-12)
+    assert scores(0)[200] == scores(0)[600] == scores(0)[1600] == 1.0
 
 
 def test_refractory_reopens_after_the_rest_period() -> None:

@@ -41,7 +41,9 @@ class GenericConfig:
     spatial_min_z: float = 4.0
     """...when their residual is also at least this many sigmas..."""
     spatial_warmup: int = 0
-    """...once the range has been seen for this many points (0: from the second point)."""
+    """...and, once the likelihood has learned (``learning`` points), only after the range
+    has been seen for this many points: while the likelihood learns, the range check is
+    the only voice and stays on (0: always on)."""
     red: float = surprise(1e-5)
     yellow: float | None = surprise(1e-3)
     """After a point at ``red`` or above, further ones are capped at ``yellow`` until the
@@ -146,7 +148,7 @@ class GenericDetector:
         score = surprise_from_log10(self._likelihood.log10_tail(raw))
         tolerance = self.config.spatial_tolerance
         if tolerance is not None and self._high > self._low and (
-            self._n >= self.config.spatial_warmup
+            self._n < self.config.learning or self._n >= self.config.spatial_warmup
         ):
             margin = tolerance * (self._high - self._low)
             outside = x > self._high + margin or x < self._low - margin

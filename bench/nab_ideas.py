@@ -70,6 +70,17 @@ def _resonance(warmup: int, margin: float) -> Callable[[], AnomalyDetector]:
 
 INNER.update({f"resonance {k}": _resonance(*v) for k, v in RESONANCE.items()})
 
+RANGE_WARMUPS = (0, 500, 750, 1000, 1500, 2000)
+"""Points ``generic``'s range check waits before it may score (issue 29, fourth pass);
+listed shortest first, so a tie goes to the shorter wait (the one blind for less)."""
+
+
+def _range_after(warmup: int) -> Callable[[], AnomalyDetector]:
+    return lambda: GenericDetector(replace(EPISODIC, spatial_warmup=warmup))
+
+
+INNER.update({f"generic, range after {w}": _range_after(w) for w in RANGE_WARMUPS})
+
 
 class Replay:
     """A detector that replays scores computed before (for the post-processing stages).
@@ -176,6 +187,11 @@ def ideas(inner: dict[str, Scores]) -> dict[str, dict[str, Scores]]:
             f"{r}; memory {k}, weight {w}": corroborate(episodic, witness, w, k)
             for r, witness in witnesses.items()
             for k in (25, 50, 100) for w in (0.2, 0.3, 0.5, 1.0)},
+        "corroborated (memory 25, weight 0.3), range check after w points (w 0/500/750/"
+        "1000/1500/2000)": {
+            f"range after {w}": corroborate(refractory(inner[f"generic, range after {w}"]),
+                                            witnesses["warm-up 750, margin 0.5"], 0.3, 25)
+            for w in RANGE_WARMUPS},
     }
 
 

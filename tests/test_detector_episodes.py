@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import math
 import os
+from dataclasses import replace
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from loopwatch.detectors.anomaly.base import score_series
 from loopwatch.detectors.anomaly.contextual import ContextNovelty
 from loopwatch.detectors.anomaly.generic import GenericDetector
 from loopwatch.detectors.anomaly.refractory import Refractory
+from loopwatch.detectors.anomaly.registry import EPISODIC
 
 START = datetime(2024, 1, 1)
 STANDARD = Profile("standard", tp_weight=1.0, fp_weight=0.11, fn_weight=1.0)
@@ -46,11 +48,35 @@ def test_episodic_pages_once_per_level_shift() -> None:
     generic = score_series(GenericDetector(), values, times)
     episodic = score_series(DETECTORS["episodic"](), values, times)
     # After the warm-up: generic pages 5 times in 300 points of the new level; episodic
-    # once, and once more only after its 150-point rest period.
+    # once, and once more only after its 150-point rest period. Episodic's range check
+    # waits 1500 points (registry.EPISODIC), so its likelihood pages, one point later.
     assert [i for i, s in enumerate(generic[400:], 400) if s >= 0.45] == [
         1200, 1261, 1329, 1443, 1464]
-    assert [i for i, s in enumerate(episodic[400:], 400) if s >= 0.45] == [1200, 1443]
-    assert episodic[1200] == generic[1200] == 1.0
+    assert [i for i, s in enumerate(episodic[400:], 400) if s >= 0.45] == [1201, 1443]
+    assert generic[1200] == 1.0
+    assert episodic[1200] == pytest.approx(0.2487199065035487, abs=1e-12)
+    assert episodic[1201] == pytest.approx(0.5131305021605488, abs=1e-12)
+
+
+def test_range_check_waits_until_the_range_has_been_seen_long_enough() -> None:
+    """While the likelihood learns (388 points) the range check is the only voice and
+    scores a record 1.0 (row 200); after that, a record on a range seen for 600 points is
+    left to the likelihood (0.568) when the range check waits 1000 or 1500 points; a
+    record after the wait scores 1.0 again."""
+    values = [10.0 + 0.1 * (i % 7) for i in range(2000)]
+    values[200], values[600], values[1600] = 30.0, 60.0, 110.0
+    times = minutes(2000)
+
+    def scores(warmup: int) -> list[float]:
+        config = replace(EPISODIC, spatial_warmup=warmup)
+        return score_series(GenericDetector(config), values, times)
+
+    assert EPISODIC.spatial_warmup == 1500
+    for warmup in (1000, 1500):
+        waited = scores(warmup)
+        assert waited[200] == waited[1600] == 1.0
+        assert waited[600] == pytest.approx(0.5680928910532889, abs=1e-12)
+    assert scores(0)[200] == scores(0)[600] == scores(0)[1600] == 1.0
 
 
 def test_refractory_reopens_after_the_rest_period() -> None:
@@ -72,8 +98,8 @@ def test_default_is_episodic_corroborated_by_resonance_and_pages_once() -> None:
     default = score_series(DETECTORS[DEFAULT_DETECTOR](), values, times)
     episodic = score_series(DETECTORS["episodic"](), values, times)
     assert DEFAULT_DETECTOR == "corroborated"
-    assert [i for i, s in enumerate(default) if s >= 0.45] == [1200, 1443]
-    assert default[1200] == 1.0
+    assert [i for i, s in enumerate(default) if s >= 0.45] == [1201, 1443]
+    assert default[1201] == pytest.approx(0.5131305021605488, abs=1e-12)
     assert all(d == 0.0 for d, e in zip(default, episodic, strict=True) if e == 0.0)
 
 
@@ -247,7 +273,7 @@ def test_nab_ideas_replays_the_episode_logic_exactly() -> None:
     replayed = refractory({"f": inner})["f"]
     assert replayed.tolist() == score_series(DETECTORS[DEFAULT_DETECTOR](), values, times)
     pages = refractory({"f": inner}, level=0.45, pages_at=0.45)["f"]
-    assert np.flatnonzero(pages[400:]).tolist() == [800, 1043]  # rows 1200 and 1443
+    assert np.flatnonzero(pages[400:]).tolist() == [801, 1043]  # rows 1201 and 1443
     assert set(pages.tolist()) <= {0.0, 1.0}
     raw = np.array(score_series(ContextNovelty(), values, times))
     model, direct = AnomalyLikelihood(), []

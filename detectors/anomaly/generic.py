@@ -39,7 +39,11 @@ class GenericConfig:
     spatial_tolerance: float | None = 0.05
     """Flag values beyond the range seen so far by this fraction of it (None: off)..."""
     spatial_min_z: float = 4.0
-    """...when their residual is also at least this many sigmas."""
+    """...when their residual is also at least this many sigmas..."""
+    spatial_warmup: int = 0
+    """...and, once the likelihood has learned (``learning`` points), only after the range
+    has been seen for this many points: while the likelihood learns, the range check is
+    the only voice and stays on (0: always on)."""
     red: float = surprise(1e-5)
     yellow: float | None = surprise(1e-3)
     """After a point at ``red`` or above, further ones are capped at ``yellow`` until the
@@ -143,7 +147,9 @@ class GenericDetector:
         raw = math.erf(abs(z) / math.sqrt(2.0)) if self.config.raw == "erf" else normal_surprise(z)
         score = surprise_from_log10(self._likelihood.log10_tail(raw))
         tolerance = self.config.spatial_tolerance
-        if tolerance is not None and self._high > self._low:
+        if tolerance is not None and self._high > self._low and (
+            self._n < self.config.learning or self._n >= self.config.spatial_warmup
+        ):
             margin = tolerance * (self._high - self._low)
             outside = x > self._high + margin or x < self._low - margin
             if outside and abs(z) >= self.config.spatial_min_z:

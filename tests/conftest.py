@@ -61,6 +61,7 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 #: fast-tier modules that run long or as one xdist group (their module fixture starts
 #: children ahead): handed out first, after the stack groups, so that neither worker is
 #: left running one of them at the end while the other idles
+STACK_GROUPS_FIRST = {"stack": 0, "stack_own": 1}
 LONG_FIRST = frozenset({"test_scenarios.py", "test_cli_contract.py", "test_cli_store.py",
                         "test_cli_numbers.py"})
 
@@ -70,10 +71,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     the ``stack_own`` group, :data:`LONG_FIRST`, then the rest; a stable sort, so each
     group's tests keep their order."""
     def rank(item: pytest.Item) -> int:
-        if STACK_FIXTURES.intersection(getattr(item, "fixturenames", ())):
-            return 0
-        if item.get_closest_marker("stack"):
-            return 1
+        group = item.get_closest_marker("xdist_group")  # as pytest_itemcollected set it
+        name = group.args[0] if group is not None and group.args else None
+        if name in STACK_GROUPS_FIRST:
+            return STACK_GROUPS_FIRST[name]
         return 2 if item.path.name in LONG_FIRST else 3
 
     items.sort(key=rank)

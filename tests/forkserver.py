@@ -25,7 +25,6 @@ import importlib.util
 import json
 import os
 import select
-import signal
 import subprocess
 import sys
 import threading
@@ -40,7 +39,6 @@ CLI_PATH = str(ROOT / "loopwatch" / "cli.py")
 
 def _child(request: dict[str, Any]) -> None:
     """In the forked child: become the requested run, then end as an interpreter does."""
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     devnull = os.open(os.devnull, os.O_RDONLY)
     out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import time
 import urllib.request
 import uuid
@@ -37,6 +38,14 @@ T = TypeVar("T")
 # world-readable shows as such (tests/test_service_auth.py checks the data dirs).
 os.umask(0o022)
 
+# Cached bytecode, whatever the machine's environment says: with PYTHONDONTWRITEBYTECODE
+# set, every xdist worker rewrites the asserts of every test module again (collection
+# 14.9 -> 8.2 s of CPU a worker with the cache) and every child interpreter the tests
+# start (``up``, the CLI, the OTLP receiver) compiles loopwatch again. The caches go to
+# the usual ``__pycache__`` folders, which git ignores.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 #: Fixtures that start a service: a test that needs one (directly or through another
 #: fixture) is in the ``stack`` tier; ``pytest -m "not stack"`` runs the fast tier
 #: (in-process chdb allowed). A test that starts a service itself says so with
@@ -44,11 +53,18 @@ os.umask(0o022)
 STACK_FIXTURES = frozenset({"broker", "alertmanager", "pipeline", "browser"})
 
 
+#: fast-tier modules whose module fixture seeds a store (the dashboards' sample fleet,
+#: ~8 s of CPU; the replay module's captured runs, ~4 s): grouped, so that one worker
+#: seeds it once instead of both workers each seeding their own
+ONE_WORKER_MODULES = {"test_dashboards.py": "dashboards", "test_replay.py": "replay"}
+
+
 def pytest_itemcollected(item: pytest.Item) -> None:
     """Mark the stack tier and split it in two xdist groups (``--dist loadgroup``), each
     run in order on one worker while the fast tier's tests go to either: ``stack``, the
     tests of the session's one broker and ``up`` (one worker starts them once), and
-    ``stack_own``, the tests that start brokers and ``up`` of their own. Per item as it
+    ``stack_own``, the tests that start brokers and ``up`` of their own; the fast-tier
+    tests of :data:`ONE_WORKER_MODULES` get their module's group. Per item as it
     is collected: xdist reads the groups in its ``pytest_collection_modifyitems``, which
     may run before this project's."""
     if STACK_FIXTURES.intersection(getattr(item, "fixturenames", ())):
@@ -56,6 +72,8 @@ def pytest_itemcollected(item: pytest.Item) -> None:
         item.add_marker(pytest.mark.xdist_group("stack"))
     elif item.get_closest_marker("stack"):
         item.add_marker(pytest.mark.xdist_group("stack_own"))
+    elif item.path.name in ONE_WORKER_MODULES:
+        item.add_marker(pytest.mark.xdist_group(ONE_WORKER_MODULES[item.path.name]))
 
 
 #: fast-tier modules that run long or as one xdist group (their module fixture starts

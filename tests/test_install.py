@@ -82,10 +82,11 @@ def test_sdk_only_install(tmp_path: Path, broker: EmbeddedBroker, reader: Servic
     wheel = next((tmp_path / "dist").glob("loopwatch-*.whl"))
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert sorted(tops) == ["loopwatch", f"{wheel.name.split('-py3')[0]}.dist-info"]
-    venv.create(tmp_path / "sdk", with_pip=True)
+    # an empty venv, not even pip (ensurepip costs ~10 s): this pip installs into it
+    venv.create(tmp_path / "sdk", with_pip=False)
     python = tmp_path / "sdk" / "bin" / "python"
-    subprocess.run([str(python), "-m", "pip", "install", "-q", str(wheel)], check=True,
-                   timeout=900, capture_output=True)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q",
+                    str(wheel)], check=True, timeout=900, capture_output=True)
     probe = _probe(python, tmp_path)
     assert probe == {"emitter": "loopwatch.ingest.sdk.Emitter", "loaded": [],
                      "installed": [], "old": []}

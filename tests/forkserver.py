@@ -25,9 +25,11 @@ import importlib.util
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -79,6 +81,7 @@ def serve() -> None:
                 if pid == 0:
                     _child(request)
                 children[pid] = request["id"]
+                os.write(1, json.dumps({"id": request["id"], "pid": pid}).encode() + b"\n")
         while children:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
@@ -97,6 +100,7 @@ class ForkServer:
             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self._lock = threading.Lock()
         self._waiting: dict[str, Future[int]] = {}
+        self._pids: dict[str, int] = {}  # children not reaped yet, by request id
         self._number = 0
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -106,7 +110,11 @@ class ForkServer:
         for line in self._process.stdout:
             answer = json.loads(line)
             with self._lock:
+                if "pid" in answer:
+                    self._pids[answer["id"]] = answer["pid"]
+                    continue
                 future = self._waiting.pop(answer["id"])
+                self._pids.pop(answer["id"], None)
             future.set_result(answer["status"])
         with self._lock:
             for future in self._waiting.values():
@@ -127,10 +135,35 @@ class ForkServer:
             assert self._process.stdin is not None
             self._process.stdin.write(json.dumps(request).encode() + b"\n")
             self._process.stdin.flush()
-        status = future.result(timeout=timeout)
+        try:
+            status = future.result(timeout=timeout)
+        except TimeoutError:  # as subprocess.run does: kill the child, reap it, raise
+            self._kill(key)
+            future.result(timeout=60)
+            raise subprocess.TimeoutExpired(["loopwatch", *args], timeout) from None
         return subprocess.CompletedProcess(
             [sys.executable, "-m", "loopwatch.cli", *args], status,
             stdout.read_text(errors="replace"), stderr.read_text(errors="replace"))
+
+    def _kill(self, key: str) -> None:
+        """SIGKILL the child of request ``key``; its pid line precedes its status line,
+        so it is known unless the child has been reaped already."""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with self._lock:
+                pid = self._pids.get(key)
+                if pid is None and key not in self._waiting:
+                    return  # reaped meanwhile
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"the fork server never named the child of {key}")
+
+    def unreaped(self) -> list[int]:
+        """The pids of children the server has forked and not yet reaped."""
+        with self._lock:
+            return list(self._pids.values())
 
     def close(self) -> None:
         if self._process.stdin is not None:

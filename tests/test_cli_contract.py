@@ -246,6 +246,17 @@ FIDELITY: list[tuple[list[str], dict[str, str]]] = [
 ]
 
 
+def test_a_forked_child_that_outlasts_its_timeout_is_killed(tmp_path: Path) -> None:
+    """As ``subprocess.run(timeout=...)``: the caller gets ``TimeoutExpired`` and the
+    child (here a web view that would serve forever) is killed, not left running."""
+    forks = _forks()
+    env = {**os.environ, "LOOPWATCH_DATA_DIR": str(tmp_path / "data")}
+    with pytest.raises(subprocess.TimeoutExpired):
+        forks.run(["serve", "--port", "0"], env, tmp_path / "out", timeout=5)
+    assert forks.unreaped() == []  # killed and reaped before run() raised
+
+
+
 def test_forked_children_answer_as_fresh_interpreters_do(tmp_path):
     """The fork server's children (tests/forkserver.py) are the CLI's real runs only if
     nothing the CLI imports reads the environment early: each case above, forked and as

@@ -641,7 +641,7 @@ def test_upstream_tool_outage(fleet, books):
 
 def test_retry_storm_on_a_permanent_error(fleet, books):
     book, agent = books["retry_storm_permanent_error"], fleet.agent("retry")
-    top = query(fleet, book, "Top operations by attempts", agent=agent)
+    top = query(fleet, book, "Top inputs by attempts", agent=agent)
     assert pick(top, "tool", "args_hash", "attempts", "runs", "max_attempt", "failed_attempts",
                 "statuses") == [("enrich", "rec-42", 10, 2, 5, 10, "400"),
                                 ("enrich", "rec-7", 2, 1, 2, 1, "200,503")]

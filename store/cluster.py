@@ -394,6 +394,7 @@ def _sections(cluster: str, database: str, single_node: bool
                     else f"ReplicatedReplacingMergeTree({VIEWS_RECORD_PATH}, applied_at)")
     values = ", ".join(f"('{name}', '{checksum(sql)}', now64(3), 'cluster.sql')"
                        for name, sql in migrations())
+    rendered = event_views.render(DEFAULTS)
     record = [f"CREATE TABLE IF NOT EXISTS {database}.{RECORD_TABLE}{on_cluster}\n"
               f"(\n{RECORD_COLUMNS}\n)\nENGINE = {engine}\n{RECORD_TAIL}",
               f"INSERT INTO {database}.{RECORD_TABLE} (name, checksum, applied_at, how) "
@@ -403,7 +404,8 @@ def _sections(cluster: str, database: str, single_node: bool
               f"{event_views.RECORD_TAIL}",
               f"INSERT INTO {database}.{event_views.RECORD} (name, content_hash, "
               f"applied_at) VALUES ('{event_views.RECORD_NAME}', "
-              f"'{event_views.render(DEFAULTS).content_hash}', now64(3))"]
+              f"'{rendered.content_hash}', now64(3)), ('{event_views.STRUCTURE_NAME}', "
+              f"'{rendered.structure_hash}', now64(3))"]
     return [("schema", schema), ("retention", retention), ("migrations applied", record)]
 
 

@@ -23,9 +23,9 @@ Everything here is generated, so that there is one definition of each thing:
 
 The rendered text is versioned beside the migrations: :func:`install` records its
 sha256 in :data:`RECORD` (a record table like the migrations' own, which it creates)
-and, when the text this build renders differs
-(a new price table, another near-miss factor, a contract change), drops and re-creates
-the views at start, before anything is written. Migration 006's own view, which split
+and, when the text this build renders differs, changes the views at start: a new price
+table or another near-miss factor replaces the table views' queries in place, a
+contract change drops and re-creates them all. Migration 006's own view, which split
 ``events_in`` into ``events`` alone, is dropped the first time (:data:`REPLACED`).
 
 What stays in Python: rows that depend on run state. An OTLP span's event claims its
@@ -66,8 +66,9 @@ RECORD = tables.GENERATED_VIEWS
 RECORD_COLUMNS = ("    name          String,\n    content_hash  String,\n"
                   "    applied_at    DateTime64(3, 'UTC')")
 RECORD_TAIL = "ORDER BY name"
-#: the record's one name
+#: the record's names: the views' whole text, and the part no query change can alter
 RECORD_NAME = "event_views"
+STRUCTURE_NAME = "event_views.structure"
 #: the view that parses ``events_in`` into :data:`PARSED`
 PARSE_VIEW = "events_in_parse"
 #: views of an earlier build these replace (migration 006's split into ``events``)
@@ -282,14 +283,24 @@ def view_name(table: str) -> str:
 
 @dataclass(frozen=True)
 class Rendered:
-    """The statements that (re)create the views, in order, and their text's hash."""
+    """The statements that (re)create the views, in order, and their text's hash; and
+    each table view's query alone, for changing a view in place."""
 
     drops: tuple[str, ...]
     creates: tuple[str, ...]
+    queries: tuple[tuple[str, str], ...] = ()
+    """(view, its ``SELECT``) of each table view: what a price table or a setting changes"""
 
     @property
     def content_hash(self) -> str:
         return hashlib.sha256(";\n".join(self.creates).encode()).hexdigest()
+
+    @property
+    def structure_hash(self) -> str:
+        """The hash of what a view's query cannot change in place: the parsed table, the
+        view that fills it, and which table views there are."""
+        fixed = [*self.creates[:2], *(view for view, _ in self.queries)]
+        return hashlib.sha256(";\n".join(fixed).encode()).hexdigest()
 
     @property
     def views(self) -> tuple[str, ...]:
@@ -338,6 +349,7 @@ def render(settings: Settings, prices: PriceTable | None = None) -> Rendered:
         f"FROM {tables.EVENTS_IN}\nARRAY JOIN\n    event_objects AS event,\n"
         "    arrayResize(event_extras, length(event_objects)) AS event_extra",
     ]
+    queries: list[tuple[str, str]] = []
     for table in _TABLE_ORDER:
         select = ",\n".join(f"    {expression}" if expression == column
                             else f"    {expression} AS {column}"
@@ -349,20 +361,22 @@ def render(settings: Settings, prices: PriceTable | None = None) -> Rendered:
             f"AND NOT mapContains(extras, {_sql_string(CLAIM_EXTRA)})")
         with_ = (f"WITH {priced_cost(prices)} AS priced\n"
                  if table == tables.LLM_CALLS else "")
+        query = f"{with_}SELECT\n{select}\nFROM {PARSED}{where}"
+        queries.append((view_name(table), query))
         creates.append(f"CREATE MATERIALIZED VIEW IF NOT EXISTS {view_name(table)} TO "
-                       f"{table} AS\n{with_}SELECT\n{select}\nFROM {PARSED}{where}")
+                       f"{table} AS\n{query}")
     views = (*REPLACED, PARSE_VIEW, *(view_name(table) for table in _TABLE_ORDER))
     drops = (*(f"DROP VIEW IF EXISTS {name}" for name in views),
              f"DROP TABLE IF EXISTS {PARSED}")
-    return Rendered(drops, tuple(creates))
+    return Rendered(drops, tuple(creates), tuple(queries))
 
 
-def installed_hash(client: Client) -> str | None:
-    """The hash of the views' text the store records, if any."""
+def installed_hash(client: Client, name: str = RECORD_NAME) -> str | None:
+    """The hash the store records under ``name`` (the views' text by default), if any."""
     client.command(f"CREATE TABLE IF NOT EXISTS {RECORD}\n(\n{RECORD_COLUMNS}\n)\n"
                    f"ENGINE = ReplacingMergeTree(applied_at)\n{RECORD_TAIL}")
     rows = client.query(f"SELECT argMax(content_hash, applied_at) FROM {RECORD} "
-                        "WHERE name = {n:String}", parameters={"n": RECORD_NAME}).result_rows
+                        "WHERE name = {n:String}", parameters={"n": name}).result_rows
     return str(rows[0][0]) if rows and rows[0][0] else None
 
 
@@ -375,17 +389,29 @@ def _present(client: Client, names: tuple[str, ...]) -> bool:
 
 def install(client: Client, settings: Settings, prices: PriceTable | None = None) -> bool:
     """Make the store's views the ones this build renders for ``settings``; True if they
-    were (re)created. Runs at start, before anything is written: between the drops and
-    the creates an insert into ``events_in`` would store nothing. Each step can run
-    again, so a crash in the middle is repaired by the next start (the hash is recorded
-    last)."""
+    changed. Each step can run again, so a crash in the middle is repaired by the next
+    start (the hashes are recorded last).
+
+    A new price table or setting changes only the table views' queries: each is
+    replaced in place (``ALTER TABLE ... MODIFY QUERY``), so an insert into
+    ``events_in`` at any moment is stored by the old query or the new one, never by
+    none. That matters where other processes keep writing while one starts: extra
+    workers, or a shared ClickHouse server. A change of the parsed table (a new build's
+    contract) drops and re-creates everything, before anything is written: between the
+    drops and the creates an insert would store nothing (``events_in`` is a ``Null``
+    table), so every process writing to the store must be stopped for that upgrade."""
     rendered = render(settings, prices)
     digest = rendered.content_hash
-    if installed_hash(client) == digest and _present(client, rendered.views):
+    present = _present(client, rendered.views)
+    if installed_hash(client) == digest and present:
         return False
-    for statement in (*rendered.drops, *rendered.creates):
-        client.command(statement)
-    client.command(f"INSERT INTO {RECORD} (name, content_hash, applied_at) VALUES "
-                   "({n:String}, {h:String}, now64(3))",
-                   parameters={"n": RECORD_NAME, "h": digest})
+    if present and installed_hash(client, STRUCTURE_NAME) == rendered.structure_hash:
+        for view, query in rendered.queries:
+            client.command(f"ALTER TABLE {view} MODIFY QUERY {query}")
+    else:
+        for statement in (*rendered.drops, *rendered.creates):
+            client.command(statement)
+    for name, value in ((STRUCTURE_NAME, rendered.structure_hash), (RECORD_NAME, digest)):
+        client.command(f"INSERT INTO {RECORD} (name, content_hash, applied_at) VALUES "
+                       "({n:String}, {h:String}, now64(3))", parameters={"n": name, "h": value})
     return True

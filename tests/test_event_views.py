@@ -191,6 +191,88 @@ def test_a_changed_setting_or_price_table_re_creates_the_views(local_store, tmp_
     assert "'test-rehash' AS price_version" in view
 
 
+
+class _WritersBeside:
+    """The store's client as ``install`` sees it, with another process's writes in
+    between: after every statement ``install`` sends, one message of one tool call
+    goes into ``events_in`` (deterministic interleaving, no threads)."""
+
+    def __init__(self, client: Client, run: str) -> None:
+        self.client, self.run, self.sent = client, run, 0
+        self.statements: list[str] = []
+
+    def command(self, statement: str, **kwargs: Any) -> Any:
+        done = self.client.command(statement, **kwargs)
+        self.statements.append(statement.split("\n", 1)[0][:60])
+        event = ToolCall(run_id=f"{self.run}-{self.sent}", agent="beside", ts=T0,
+                         tool="t", latency_ms=1.0)
+        row = events_in_row(2, self.sent, datetime.now(UTC),
+                            orjson.dumps([event.model_dump(mode="json")]))
+        ClickHouseSink(self.client).write_batch(RowBatch({EVENTS_IN_TABLE: [row]}))
+        self.sent += 1
+        return done
+
+    def query(self, *args: Any, **kwargs: Any) -> Any:
+        return self.client.query(*args, **kwargs)
+
+
+def test_a_new_price_table_changes_the_views_in_place_while_others_write(
+        local_store, tmp_path: Path):
+    """Another worker (or another host on a shared server) writes while this one starts
+    with a new price table and near-miss factor: every message written meanwhile is
+    stored, each event once, in ``events`` and ``tool_calls`` alike; the new prices
+    are in force after."""
+    settings, client = fresh_store(local_store, "inplace")
+    table = json.loads(Path(PriceTable.load.__code__.co_filename).parent.parent.joinpath(
+        "processors", "prices.json").read_text())
+    table["version"] = "test-in-place"
+    price_file = tmp_path / "prices.json"
+    price_file.write_text(json.dumps(table))
+    changed = settings.model_copy(update={"prices_file": price_file, "near_miss_factor": 2.0})
+    run = f"beside-{uuid.uuid4().hex[:6]}"
+    beside = _WritersBeside(client, run)
+    assert event_views.install(beside, changed) is True  # type: ignore[arg-type]
+    assert [line.split(" MODIFY")[0] for line in beside.statements if "ALTER" in line] == [
+        f"ALTER TABLE {event_views.view_name(name)}" for name in event_views._TABLE_ORDER]
+    assert not [line for line in beside.statements if line.startswith(("DROP", "CREATE"))
+                and event_views.RECORD not in line]
+    counts = [client.query(f"SELECT count(), uniqExact(run_id) FROM {name} "
+                           "WHERE run_id LIKE {r:String}", parameters={"r": f"{run}-%"}
+                           ).result_rows[0] for name in (tables.EVENTS, tables.TOOL_CALLS)]
+    assert counts == [(beside.sent, beside.sent)] * 2
+    assert event_views.install(client, changed) is False
+    view = client.query("SELECT create_table_query FROM system.tables WHERE database = "
+                        "currentDatabase() AND name = {n:String}",
+                        parameters={"n": event_views.view_name(tables.LLM_CALLS)}
+                        ).result_rows[0][0]
+    assert "'test-in-place' AS price_version" in view
+    assert _tool_call(client, changed, 1900.0) == 1
+
+
+def test_a_contract_change_re_creates_the_views_and_says_writers_must_stop(local_store):
+    """What cannot change in place (here: the record of the parsed table's structure
+    says another build made it) takes the drop-and-create path: messages written
+    between its statements are lost, which is why ``install`` runs before anything is
+    written and the upgrade needs every writer stopped (the docstring says so)."""
+    settings, client = fresh_store(local_store, "recreate")
+    client.command(f"INSERT INTO {event_views.RECORD} (name, content_hash, applied_at) "
+                   "VALUES ({n:String}, 'another build', now64(3))",
+                   parameters={"n": event_views.STRUCTURE_NAME})
+    client.command(f"INSERT INTO {event_views.RECORD} (name, content_hash, applied_at) "
+                   "VALUES ({n:String}, 'another build', now64(3))",
+                   parameters={"n": event_views.RECORD_NAME})
+    run = f"recreate-{uuid.uuid4().hex[:6]}"
+    beside = _WritersBeside(client, run)
+    assert event_views.install(beside, settings) is True  # type: ignore[arg-type]
+    views = [line for line in beside.statements if event_views.RECORD not in line]
+    assert views[0].startswith("DROP VIEW IF EXISTS") and "ALTER" not in " ".join(views)
+    stored = client.query("SELECT count() FROM events WHERE run_id LIKE {r:String}",
+                          parameters={"r": f"{run}-%"}).result_rows[0][0]
+    assert 0 < stored < beside.sent
+    assert event_views.installed_hash(client, event_views.STRUCTURE_NAME) == (
+        event_views.render(settings).structure_hash)
+
+
 def _good_rows(count: int, run: str) -> list[dict[str, Any]]:
     rows = []
     for offset in range(count):

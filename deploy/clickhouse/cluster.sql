@@ -1049,4 +1049,4 @@ CREATE TABLE IF NOT EXISTS loopwatch.generated_views ON CLUSTER loopwatch
 ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/all/{database}/generated_views', '{replica}', applied_at)
 ORDER BY name;
 
-INSERT INTO loopwatch.generated_views (name, content_hash, applied_at) VALUES ('event_views', '68a2dc7c76a7db2eaf20d33ddcf9e59d5b2d7129cf67933547a3b1a8ffa9d6fb', now64(3));
+INSERT INTO loopwatch.generated_views (name, content_hash, applied_at) VALUES ('event_views', '68a2dc7c76a7db2eaf20d33ddcf9e59d5b2d7129cf67933547a3b1a8ffa9d6fb', now64(3)), ('event_views.structure', '7d4eb9a1958e79672aca4210c9a391c6a7cc3861566040538b4d38baeb22e37b', now64(3));

@@ -15,6 +15,4 @@ then
 fi
 python3 -m venv .venv
 .venv/bin/pip install -q -e '.[test]'   # test includes the server extra
-# three workers on the reference 2-core machine: the stack tier's three groups mostly
-# wait on processes of their own (tests/conftest.py), the fast tier fills the cores
-exec .venv/bin/python -m pytest -n 3 "$@"
+exec .venv/bin/python -m pytest "$@"

@@ -53,16 +53,6 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 STACK_FIXTURES = frozenset({"broker", "alertmanager", "pipeline", "browser"})
 
 
-#: the tests that start brokers and ``up`` of their own mostly wait (for a consumer group
-#: to form, a killed process to be noticed, a backlog to drain): ~40 % of a core each in
-#: the full suite. Two groups of them run side by side (``scripts/test.sh`` runs three
-#: workers: the session stack's, these two, and the fast tier wherever there is room);
-#: these modules make the second group, about half of the time the groups take
-SECOND_OWN_GROUP = frozenset({
-    "test_delivery_faults.py", "test_broker_lifecycle.py", "test_rebalance_backlog.py",
-    "test_fault_broker_pause.py", "test_status_cli.py", "test_import.py", "test_up_status.py",
-    "test_sdk.py"})
-
 #: fast-tier modules whose module fixture seeds a store (the dashboards' sample fleet,
 #: ~8 s of CPU; the replay module's captured runs, ~4 s): grouped, so that one worker
 #: seeds it once instead of both workers each seeding their own
@@ -70,19 +60,18 @@ ONE_WORKER_MODULES = {"test_dashboards.py": "dashboards", "test_replay.py": "rep
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
-    """Mark the stack tier and split it in three xdist groups (``--dist loadgroup``), each
-    run in order on one worker while the fast tier's tests go to any: ``stack``, the
+    """Mark the stack tier and split it in two xdist groups (``--dist loadgroup``), each
+    run in order on one worker while the fast tier's tests go to either: ``stack``, the
     tests of the session's one broker and ``up`` (one worker starts them once), and
-    ``stack_own`` and ``stack_own_2``, the tests that start brokers and ``up`` of their
-    own (:data:`SECOND_OWN_GROUP`); the fast-tier tests of :data:`ONE_WORKER_MODULES`
-    get their module's group. Per item as it is collected: xdist reads the groups in
-    its ``pytest_collection_modifyitems``, which may run before this project's."""
+    ``stack_own``, the tests that start brokers and ``up`` of their own; the fast-tier
+    tests of :data:`ONE_WORKER_MODULES` get their module's group. Per item as it
+    is collected: xdist reads the groups in its ``pytest_collection_modifyitems``, which
+    may run before this project's."""
     if STACK_FIXTURES.intersection(getattr(item, "fixturenames", ())):
         item.add_marker(pytest.mark.stack)
         item.add_marker(pytest.mark.xdist_group("stack"))
     elif item.get_closest_marker("stack"):
-        item.add_marker(pytest.mark.xdist_group(
-            "stack_own_2" if item.path.name in SECOND_OWN_GROUP else "stack_own"))
+        item.add_marker(pytest.mark.xdist_group("stack_own"))
     elif item.path.name in ONE_WORKER_MODULES:
         item.add_marker(pytest.mark.xdist_group(ONE_WORKER_MODULES[item.path.name]))
 
@@ -90,14 +79,14 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 #: fast-tier modules that run long or as one xdist group (their module fixture starts
 #: children ahead): handed out first, after the stack groups, so that neither worker is
 #: left running one of them at the end while the other idles
-STACK_GROUPS_FIRST = {"stack": 0, "stack_own": 1, "stack_own_2": 1}
+STACK_GROUPS_FIRST = {"stack": 0, "stack_own": 1}
 LONG_FIRST = frozenset({"test_scenarios.py", "test_cli_contract.py", "test_cli_store.py",
                         "test_cli_numbers.py"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Order the work as xdist hands it out (by first appearance): the ``stack`` group,
-    the ``stack_own`` groups, :data:`LONG_FIRST`, then the rest; a stable sort, so each
+    the ``stack_own`` group, :data:`LONG_FIRST`, then the rest; a stable sort, so each
     group's tests keep their order."""
     def rank(item: pytest.Item) -> int:
         group = item.get_closest_marker("xdist_group")  # as pytest_itemcollected set it

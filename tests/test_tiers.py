@@ -1,6 +1,6 @@
-"""The two tiers and how xdist runs them: the stack tier as three groups, each on one
+"""The two tiers and how xdist runs them: the stack tier as two groups, each on one
 worker in order: the tests of the session's broker and ``up``, and the tests that
-start their own, in two groups (tests/conftest.py)."""
+start their own (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -48,15 +48,3 @@ def test_a_module_that_seeds_a_store_runs_on_one_worker(request: pytest.FixtureR
         pytest.skip("neither module is collected in this session")
     assert groups == {name: {str((group,))} for name, group in ONE_WORKER_MODULES.items()
                       if name in groups}
-
-
-def test_the_tests_that_start_their_own_stack_make_two_groups(
-        request: pytest.FixtureRequest) -> None:
-    from tests.conftest import SECOND_OWN_GROUP
-
-    own = {(item.path.name, mark.args[0]) for item in request.session.items
-           for mark in item.iter_markers("xdist_group")
-           if mark.args and str(mark.args[0]).startswith("stack_own")}
-    assert own, "no test that starts its own stack is collected with this one"
-    assert {(name, "stack_own_2" if name in SECOND_OWN_GROUP else "stack_own")
-            for name, _ in own} == own

@@ -79,6 +79,44 @@ def test_range_check_waits_until_the_range_has_been_seen_long_enough() -> None:
     assert scores(0)[200] == scores(0)[600] == scores(0)[1600] == 1.0
 
 
+def test_a_settled_range_is_broken_by_a_smaller_margin() -> None:
+    """Once the range has been seen for the wait (1500 points), episodic's range check
+    wants a record by 1 % of the range and 4 sigmas (registry.EPISODIC), not Numenta's
+    5 %: a record 2 % beyond a range held for 1700 points scores 1.0; with the young
+    range's margin kept, it is left to the likelihood (0.59)."""
+    values = [10.0 + 0.1 * (i % 7) for i in range(1800)]
+    values[100], values[1700] = 20.0, 20.2
+    times = minutes(1800)
+    assert (EPISODIC.settled_tolerance, EPISODIC.settled_min_z) == (0.01, 4.0)
+    settled = score_series(GenericDetector(EPISODIC), values, times)
+    young = replace(EPISODIC, settled_tolerance=None, settled_min_z=None)
+    kept = score_series(GenericDetector(young), values, times)
+    assert settled[100] == kept[100] == 1.0
+    assert settled[1700] == 1.0
+    assert kept[1700] == pytest.approx(0.588360782171268, abs=1e-12)
+    assert settled[:1700] == kept[:1700]
+
+
+def test_nab_ideas_derives_every_range_check_from_one_probe() -> None:
+    """bench/nab_ideas scores the range-check family from one RangeProbe run per file
+    (likelihood and z, range check and cap off): the derived scores equal GenericDetector
+    with each setting, point for point (young, waiting and settled ranges, the cap)."""
+    from loopwatch.bench.nab_ideas import RangeProbe, range_variant
+    from loopwatch.detectors.anomaly.generic import GenericConfig
+
+    values = [10.0 + 0.1 * (i % 7) for i in range(1800)]
+    values[100], values[600], values[1700], values[1750] = 20.0, 25.0, 25.2, 40.0
+    values[1200:1260] = [v + 3.0 for v in values[1200:1260]]
+    times = minutes(1800)
+    probe = RangeProbe()
+    likelihood = np.array(score_series(probe, values, times))
+    for config in (EPISODIC, GenericConfig(), replace(EPISODIC, spatial_warmup=0),
+                   replace(EPISODIC, settled_tolerance=0.05, settled_min_z=5.0),
+                   replace(EPISODIC, yellow=None)):
+        direct = score_series(GenericDetector(config), values, times)
+        assert range_variant(values, likelihood, np.array(probe.z), config).tolist() == direct
+
+
 def test_refractory_reopens_after_the_rest_period() -> None:
     # Two spikes 200 points apart: both page with rest=150, only the first with rest=250.
     values = [10.0 + 0.1 * (i % 7) for i in range(1000)]

@@ -44,6 +44,13 @@ class GenericConfig:
     """...and, once the likelihood has learned (``learning`` points), only after the range
     has been seen for this many points: while the likelihood learns, the range check is
     the only voice and stays on (0: always on)."""
+    settled_tolerance: float | None = None
+    settled_min_z: float | None = None
+    """The range check's tolerance and sigmas once the range is *settled*: seen for
+    ``max(learning, spatial_warmup)`` points (None: ``spatial_tolerance`` and
+    ``spatial_min_z``). A young range is still being explored and ordinary traffic breaks
+    it, so it needs the wide margin; a range that has held for days is broken by little
+    but an incident, so a record by a smaller margin is already news."""
     red: float = surprise(1e-5)
     yellow: float | None = surprise(1e-3)
     """After a point at ``red`` or above, further ones are capped at ``yellow`` until the
@@ -77,6 +84,9 @@ class GenericDetector:
     3. *Range.* A value beyond the range seen so far by more than ``spatial_tolerance`` of
        that range, and at least ``spatial_min_z`` sigmas off the baseline, scores 1.0
        (Numenta's "spatial anomaly"; the z condition keeps noise from setting records).
+       Optionally it pauses once the likelihood has learned (``spatial_warmup``) and
+       then judges a settled range by its own margin (``settled_tolerance``,
+       ``settled_min_z``).
     4. *Once per episode.* After a score of ``red`` (p <= 1e-5) or more, the next points
        are capped at ``yellow`` (p = 1e-3) until the score falls below ``red`` again
        (Numenta's likelihood filter): one page per incident, not one per minute of it.
@@ -146,16 +156,29 @@ class GenericDetector:
         z = self._z(x, t)
         raw = math.erf(abs(z) / math.sqrt(2.0)) if self.config.raw == "erf" else normal_surprise(z)
         score = surprise_from_log10(self._likelihood.log10_tail(raw))
-        tolerance = self.config.spatial_tolerance
-        if tolerance is not None and self._high > self._low and (
-            self._n < self.config.learning or self._n >= self.config.spatial_warmup
-        ):
+        check = self._range_check()
+        if check is not None and self._high > self._low:
+            tolerance, min_z = check
             margin = tolerance * (self._high - self._low)
             outside = x > self._high + margin or x < self._low - margin
-            if outside and abs(z) >= self.config.spatial_min_z:
+            if outside and abs(z) >= min_z:
                 score = 1.0
         self._last = _Evaluation(key, z, raw, score)
         return self._last
+
+    def _range_check(self) -> tuple[float, float] | None:
+        """The range check's (tolerance, sigmas) at this point, or None while it waits."""
+        cfg = self.config
+        if cfg.spatial_tolerance is None:
+            return None
+        if self._n < cfg.learning:
+            return cfg.spatial_tolerance, cfg.spatial_min_z
+        if self._n < cfg.spatial_warmup:
+            return None
+        return (
+            cfg.spatial_tolerance if cfg.settled_tolerance is None else cfg.settled_tolerance,
+            cfg.spatial_min_z if cfg.settled_min_z is None else cfg.settled_min_z,
+        )
 
     def score_one(self, x: float, t: datetime | None = None) -> float:
         score = self._evaluate(x, t).score

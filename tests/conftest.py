@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import time
 import urllib.request
 import uuid
@@ -37,14 +36,6 @@ T = TypeVar("T")
 # The usual umask, whatever the machine's: a file loopwatch creates group- or
 # world-readable shows as such (tests/test_service_auth.py checks the data dirs).
 os.umask(0o022)
-
-# Cached bytecode, whatever the machine's environment says: with PYTHONDONTWRITEBYTECODE
-# set, every xdist worker rewrites the asserts of every test module again (collection
-# 14.9 -> 8.2 s of CPU a worker with the cache) and every child interpreter the tests
-# start (``up``, the CLI, the OTLP receiver) compiles loopwatch again. The caches go to
-# the usual ``__pycache__`` folders, which git ignores.
-sys.dont_write_bytecode = False
-os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 #: Fixtures that start a service: a test that needs one (directly or through another
 #: fixture) is in the ``stack`` tier; ``pytest -m "not stack"`` runs the fast tier

@@ -101,6 +101,7 @@ class ForkServer:
         self._lock = threading.Lock()
         self._waiting: dict[str, Future[int]] = {}
         self._pids: dict[str, int] = {}  # children not reaped yet, by request id
+        self.last_killed: int | None = None  # the child the last timeout killed
         self._number = 0
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -138,14 +139,14 @@ class ForkServer:
         try:
             status = future.result(timeout=timeout)
         except TimeoutError:  # as subprocess.run does: kill the child, reap it, raise
-            self._kill(key)
+            self.last_killed = self._kill(key)
             future.result(timeout=60)
             raise subprocess.TimeoutExpired(["loopwatch", *args], timeout) from None
         return subprocess.CompletedProcess(
             [sys.executable, "-m", "loopwatch.cli", *args], status,
             stdout.read_text(errors="replace"), stderr.read_text(errors="replace"))
 
-    def _kill(self, key: str) -> None:
+    def _kill(self, key: str) -> int | None:
         """SIGKILL the child of request ``key``; its pid line precedes its status line,
         so it is known unless the child has been reaped already."""
         deadline = time.monotonic() + 30
@@ -153,10 +154,10 @@ class ForkServer:
             with self._lock:
                 pid = self._pids.get(key)
                 if pid is None and key not in self._waiting:
-                    return  # reaped meanwhile
+                    return None  # reaped meanwhile
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
-                return
+                return pid
             time.sleep(0.05)
         raise RuntimeError(f"the fork server never named the child of {key}")
 

@@ -257,7 +257,6 @@ def test_a_forked_child_that_outlasts_its_timeout_is_killed(tmp_path: Path) -> N
     assert killed is not None and killed not in forks.unreaped()  # killed, then reaped
 
 
-
 def test_forked_children_answer_as_fresh_interpreters_do(tmp_path):
     """The fork server's children (tests/forkserver.py) are the CLI's real runs only if
     nothing the CLI imports reads the environment early: each case above, forked and as

@@ -177,18 +177,27 @@ def test_a_changed_setting_or_price_table_re_creates_the_views(local_store, tmp_
     assert event_views.installed_hash(client) not in (None, first)
     assert _tool_call(client, wider, 1900.0) == 1
 
+    repriced = wider.model_copy(update={"prices_file": _price_file(tmp_path, "test-rehash")})
+    assert event_views.install(client, repriced) is True
+    assert "'test-rehash' AS price_version" in _llm_calls_view(client)
+
+
+def _price_file(folder: Path, version: str) -> Path:
+    """The shipped price table under another version: a price table the views differ by."""
     table = json.loads(Path(PriceTable.load.__code__.co_filename).parent.parent.joinpath(
         "processors", "prices.json").read_text())
-    table["version"] = "test-rehash"
-    price_file = tmp_path / "prices.json"
-    price_file.write_text(json.dumps(table))
-    repriced = wider.model_copy(update={"prices_file": price_file})
-    assert event_views.install(client, repriced) is True
-    view = client.query("SELECT create_table_query FROM system.tables WHERE database = "
-                        "currentDatabase() AND name = {n:String}",
-                        parameters={"n": event_views.view_name(tables.LLM_CALLS)}
-                        ).result_rows[0][0]
-    assert "'test-rehash' AS price_version" in view
+    table["version"] = version
+    path = folder / "prices.json"
+    path.write_text(json.dumps(table))
+    return path
+
+
+def _llm_calls_view(client: Client) -> str:
+    """The ``CREATE`` statement of the view that writes ``llm_calls`` (where prices live)."""
+    return str(client.query("SELECT create_table_query FROM system.tables WHERE database = "
+                            "currentDatabase() AND name = {n:String}",
+                            parameters={"n": event_views.view_name(tables.LLM_CALLS)}
+                            ).result_rows[0][0])
 
 
 
@@ -223,12 +232,8 @@ def test_a_new_price_table_changes_the_views_in_place_while_others_write(
     stored, each event once, in ``events`` and ``tool_calls`` alike; the new prices
     are in force after."""
     settings, client = fresh_store(local_store, "inplace")
-    table = json.loads(Path(PriceTable.load.__code__.co_filename).parent.parent.joinpath(
-        "processors", "prices.json").read_text())
-    table["version"] = "test-in-place"
-    price_file = tmp_path / "prices.json"
-    price_file.write_text(json.dumps(table))
-    changed = settings.model_copy(update={"prices_file": price_file, "near_miss_factor": 2.0})
+    changed = settings.model_copy(update={
+        "prices_file": _price_file(tmp_path, "test-in-place"), "near_miss_factor": 2.0})
     run = f"beside-{uuid.uuid4().hex[:6]}"
     beside = _WritersBeside(client, run)
     assert event_views.install(beside, changed) is True  # type: ignore[arg-type]
@@ -241,11 +246,7 @@ def test_a_new_price_table_changes_the_views_in_place_while_others_write(
                            ).result_rows[0] for name in (tables.EVENTS, tables.TOOL_CALLS)]
     assert counts == [(beside.sent, beside.sent)] * 2
     assert event_views.install(client, changed) is False
-    view = client.query("SELECT create_table_query FROM system.tables WHERE database = "
-                        "currentDatabase() AND name = {n:String}",
-                        parameters={"n": event_views.view_name(tables.LLM_CALLS)}
-                        ).result_rows[0][0]
-    assert "'test-in-place' AS price_version" in view
+    assert "'test-in-place' AS price_version" in _llm_calls_view(client)
     assert _tool_call(client, changed, 1900.0) == 1
 
 
@@ -255,12 +256,9 @@ def test_a_contract_change_re_creates_the_views_and_says_writers_must_stop(local
     between its statements are lost, which is why ``install`` runs before anything is
     written and the upgrade needs every writer stopped (the docstring says so)."""
     settings, client = fresh_store(local_store, "recreate")
-    client.command(f"INSERT INTO {event_views.RECORD} (name, content_hash, applied_at) "
-                   "VALUES ({n:String}, 'another build', now64(3))",
-                   parameters={"n": event_views.STRUCTURE_NAME})
-    client.command(f"INSERT INTO {event_views.RECORD} (name, content_hash, applied_at) "
-                   "VALUES ({n:String}, 'another build', now64(3))",
-                   parameters={"n": event_views.RECORD_NAME})
+    for name in (event_views.STRUCTURE_NAME, event_views.RECORD_NAME):
+        client.command(f"INSERT INTO {event_views.RECORD} (name, content_hash, applied_at) "
+                       "VALUES ({n:String}, 'another build', now64(3))", parameters={"n": name})
     run = f"recreate-{uuid.uuid4().hex[:6]}"
     beside = _WritersBeside(client, run)
     assert event_views.install(beside, settings) is True  # type: ignore[arg-type]

@@ -39,12 +39,11 @@ def test_a_test_of_the_session_stack_runs_in_the_stack_group(
 def test_a_module_that_seeds_a_store_runs_on_one_worker(request: pytest.FixtureRequest) -> None:
     from tests.conftest import ONE_WORKER_MODULES
 
-    groups: dict[str, set[str]] = {}
+    groups: dict[str, set[tuple[object, ...]]] = {}
     for item in request.session.items:
         if item.path.name in ONE_WORKER_MODULES and item.get_closest_marker("stack") is None:
-            marks = [mark.args for mark in item.iter_markers("xdist_group")]
-            groups.setdefault(item.path.name, set()).update(str(args) for args in marks)
+            groups.setdefault(item.path.name, set()).update(
+                mark.args for mark in item.iter_markers("xdist_group"))
     if not groups:
         pytest.skip("neither module is collected in this session")
-    assert groups == {name: {str((group,))} for name, group in ONE_WORKER_MODULES.items()
-                      if name in groups}
+    assert groups == {name: {(ONE_WORKER_MODULES[name],)} for name in groups}

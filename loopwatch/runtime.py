@@ -37,6 +37,7 @@ from loopwatch.ingest.otlp.server import OtlpReceiver
 from loopwatch.ingest.otlp.settings import load_otlp_settings
 from loopwatch.ingest.privatefs import PRIVATE_UMASK, private_dir
 from loopwatch.ingest.sdk import partition_for
+from loopwatch.ingest.spool import SpoolLocked
 from loopwatch.processors.app import Processor
 from loopwatch.processors.jobs.capture_decide import start_decider
 from loopwatch.processors.jobs.deadletters import replay_pending
@@ -379,9 +380,9 @@ def _start_otlp(settings: Settings, bootstrap: str,
             return ReceiverProcess(settings, bootstrap, limits)
         receiver = OtlpReceiver(settings, bootstrap, limits.host, limits.port, limits.token,
                                 limits=limits)
-    except OSError as exc:
-        log.warning("OTLP receiver not started: %s:%d is taken (%s); set "
-                    "LOOPWATCH_OTLP_PORT or --otlp-port", limits.host, limits.port, exc)
+    except (OSError, SpoolLocked) as exc:
+        log.warning("OTLP receiver not started on %s:%d: %s (a taken port: set "
+                    "LOOPWATCH_OTLP_PORT or --otlp-port)", limits.host, limits.port, exc)
         return None
     receiver.start()
     if limits.grpc_port is not None:

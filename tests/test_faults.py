@@ -5,7 +5,9 @@ from __future__ import annotations
 import operator
 import threading
 import time
+from collections.abc import Iterator
 
+import pytest
 from kafka import KafkaConsumer, TopicPartition
 
 from loopwatch.core.config import Settings
@@ -18,6 +20,14 @@ from tests.test_capture import reassemble, wait_decided
 RUNS = 1500
 PROMPT = [{"role": "user", "content": "Refund order 7, please."}]
 SETTINGS = Settings()
+
+
+@pytest.fixture(autouse=True)
+def pipeline_restored(pipeline: UpProcess) -> Iterator[None]:
+    """These tests stop and kill the session's ``up``: whatever one of them ends with, the
+    next test (here or in another module) gets it running again, not a dead socket."""
+    yield
+    pipeline.start()
 
 
 def offsets(bootstrap: str) -> tuple[dict[int, int], dict[int, int]]:
@@ -66,6 +76,8 @@ def test_processor_killed_mid_stream_loses_nothing_and_counts_nothing_twice(
     killer.join()
     assert killed_at[0] < total, "the kill must land mid-stream for this test to mean it"
     pipeline.start()
+    # the killed up's OTLP receiver outlives it while it stops; the new one waits for it
+    assert pipeline.info["otlp_url"], "the restarted up must have its OTLP receiver"
     wait_stored(reader, agent, total, timeout_s=240)
     wait_for(lambda: scalar(reader, "SELECT count() FROM runs FINAL WHERE agent = {a:String} "
                                     "AND status = 'closed'", a=agent) == RUNS, 120,

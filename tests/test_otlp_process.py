@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -22,6 +23,7 @@ from loopwatch.core.processes import children
 from loopwatch.core.topics import ensure_topics
 from loopwatch.ingest.otlp.process import ReceiverProcess
 from loopwatch.ingest.otlp.settings import OtlpSettings
+from loopwatch.ingest.spool import LOCK_FILE, DiskSpool
 from loopwatch.upprocess import UpProcess
 from tests.conftest import PIPELINE_ENV, wait_for
 
@@ -143,3 +145,24 @@ def test_receivers_that_do_not_stop_in_time_do_not_keep_the_child_alive() -> Non
                             timeout=120)
     assert (result.returncode, result.stdout) == (1, "quick stopped\n"), result.stderr
     assert "the receivers did not stop within 0 s; exiting" in result.stderr
+
+
+def test_a_receiver_waits_for_the_spool_of_one_still_stopping(tmp_path: Path) -> None:
+    """A crashed ``up``'s receiver goes on flushing for up to ``STOP_WITHIN_S`` while the
+    next ``up`` starts its own on the same spool folder. The new one waits for the lock
+    (held here by this process for ~1 s) instead of failing: it used to raise
+    ``SpoolLocked`` at once, and the restarted ``up`` ran with no OTLP receiver."""
+    settings = Settings(data_dir=tmp_path)
+    previous = DiskSpool(settings.spool_dir / "otlp-receiver", 1 << 20)
+    release = threading.Timer(1.0, previous.close)
+    release.start()
+    try:
+        receiver = ReceiverProcess(settings, "127.0.0.1:1", OtlpSettings(port=0, grpc_port=None))
+    finally:
+        release.join()
+    try:
+        assert post(receiver.url, b"\xff") == 400  # it serves: garbage is refused
+        holder = (settings.spool_dir / "otlp-receiver" / LOCK_FILE).read_text()
+        assert holder == str(receiver.pid)
+    finally:
+        receiver.stop()

@@ -15,6 +15,11 @@ producer flushes) and when its parent is gone: the end of that pipe (the parent'
 is close-on-exec, so an ``up`` that restarts itself with ``execv`` counts as gone),
 ``PR_SET_PDEATHSIG`` and a check of the parent pid; so a crashed or restarted ``up``
 leaves no receiver holding the port.
+
+That receiver may still be stopping (flushing its producer, at most
+:data:`STOP_WITHIN_S`) when the next ``up`` starts its own: the new child waits that long
+for the old one's spool folder and port before it gives up. It used to fail at once on
+the spool's lock, and an ``up`` restarted right after a crash ran with no OTLP receiver.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import gc
 import logging
 import os
@@ -31,12 +37,17 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import orjson
 
 from loopwatch.core.config import Settings
 from loopwatch.ingest.otlp.settings import OtlpSettings
+from loopwatch.ingest.spool import SpoolLocked
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 #: how long the parent waits for the child's address line (imports take ~1-3 s)
@@ -45,6 +56,9 @@ START_TIMEOUT_S = 60.0
 STOP_WITHIN_S = 15.0
 #: how often the child checks that its parent is still there
 PARENT_CHECK_S = 0.5
+#: how long a new child waits for a previous receiver (orphaned by a crashed ``up``) to
+#: let go of the spool folder and the port: it stops within STOP_WITHIN_S of its parent
+TAKEOVER_WITHIN_S = STOP_WITHIN_S + 5.0
 
 
 class ReceiverProcess:
@@ -120,9 +134,10 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C: it stops us
     try:
-        receiver = OtlpReceiver(settings, bootstrap, limits.host, limits.port, limits.token,
-                                limits=limits)
-    except OSError as exc:
+        receiver = _take_over(lambda: OtlpReceiver(settings, bootstrap, limits.host,
+                                                   limits.port, limits.token, limits=limits),
+                              TAKEOVER_WITHIN_S)
+    except (OSError, SpoolLocked) as exc:
         answer.write(orjson.dumps({"error": str(exc)}) + b"\n")
         answer.close()
         return
@@ -139,6 +154,20 @@ def main() -> None:
         if os.getppid() != parent:
             break
     _stop_within(receiver, STOP_WITHIN_S)
+
+
+def _take_over(start: Callable[[], T], within_s: float) -> T:
+    """``start()``, tried again while the spool folder is locked or the port taken, for up
+    to ``within_s``: a receiver whose ``up`` crashed gives both up within that time."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return start()
+        except (SpoolLocked, OSError) as exc:
+            held = isinstance(exc, SpoolLocked) or exc.errno == errno.EADDRINUSE
+            if not held or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def _stop_within(receiver: Any, timeout_s: float) -> None:

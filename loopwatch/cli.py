@@ -57,7 +57,7 @@ def up(
 ) -> None:
     """Run broker (unless configured), processors and the store service until Ctrl-C."""
     from loopwatch.core.embedded.lifecycle import BrokerError
-    from loopwatch.runtime import run_up
+    from loopwatch.runtime import exit_without_engine_teardown, run_up
 
     settings = settings_from(data_dir)
 
@@ -98,6 +98,7 @@ def up(
     stored = latest.get("counters", {}).get("events")
     console.print("stopped" if stored is None else f"stopped: {stored} events stored",
                   markup=False, highlight=False)
+    exit_without_engine_teardown()
 
 
 @app.command()

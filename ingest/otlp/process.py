@@ -39,13 +39,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import orjson
 
 from loopwatch.core.config import Settings
 from loopwatch.ingest.otlp.settings import OtlpSettings
-from loopwatch.ingest.spool import SpoolLocked
+from loopwatch.ingest.spool import LOCK_FILE, SpoolLocked
 
 T = TypeVar("T")
 
@@ -136,7 +137,7 @@ def main() -> None:
     try:
         receiver = _take_over(lambda: OtlpReceiver(settings, bootstrap, limits.host,
                                                    limits.port, limits.token, limits=limits),
-                              TAKEOVER_WITHIN_S)
+                              TAKEOVER_WITHIN_S, settings.spool_dir / "otlp-receiver")
     except (OSError, SpoolLocked) as exc:
         answer.write(orjson.dumps({"error": str(exc)}) + b"\n")
         answer.close()
@@ -156,18 +157,43 @@ def main() -> None:
     _stop_within(receiver, STOP_WITHIN_S)
 
 
-def _take_over(start: Callable[[], T], within_s: float) -> T:
+def _take_over(start: Callable[[], T], within_s: float, spool: Path) -> T:
     """``start()``, tried again while the spool folder is locked or the port taken, for up
-    to ``within_s``: a receiver whose ``up`` crashed gives both up within that time."""
+    to ``within_s``: a receiver whose ``up`` crashed gives both up within that time. One
+    that still holds the spool then (seen under load: alive > 40 s after its ``up``'s
+    SIGKILL) is an orphan receiver of this module: it is killed, and what it had not sent
+    stays in the spool for this one to send."""
     deadline = time.monotonic() + within_s
+    killed = False
     while True:
         try:
             return start()
         except (SpoolLocked, OSError) as exc:
             held = isinstance(exc, SpoolLocked) or exc.errno == errno.EADDRINUSE
-            if not held or time.monotonic() > deadline:
+            if not held:
                 raise
+            if time.monotonic() > deadline:
+                if killed or not _kill_orphan_holder(spool):
+                    raise
+                killed, deadline = True, time.monotonic() + 5.0
             time.sleep(0.2)
+
+
+def _kill_orphan_holder(spool: Path) -> bool:
+    """SIGKILL the process named in ``spool``'s lock file if it runs this module and is
+    not this process's sibling (its ``up`` is gone); whether one was killed."""
+    try:
+        pid = int((spool / LOCK_FILE).read_text().strip())
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, ValueError, IndexError):
+        return False
+    if b"loopwatch.ingest.otlp.process" not in command or int(stat[1]) == os.getppid():
+        return False
+    log.warning("the previous OTLP receiver (pid %d) still holds %s; killing it", pid, spool)
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGKILL)
+    return True
 
 
 def _stop_within(receiver: Any, timeout_s: float) -> None:

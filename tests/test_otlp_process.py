@@ -21,7 +21,7 @@ from loopwatch.core.config import Settings
 from loopwatch.core.embedded.broker import EmbeddedBroker
 from loopwatch.core.processes import children
 from loopwatch.core.topics import ensure_topics
-from loopwatch.ingest.otlp.process import ReceiverProcess
+from loopwatch.ingest.otlp.process import MODULE, ReceiverProcess
 from loopwatch.ingest.otlp.settings import OtlpSettings
 from loopwatch.ingest.spool import LOCK_FILE, DiskSpool
 from loopwatch.upprocess import UpProcess
@@ -36,7 +36,7 @@ def receiver_children(pid: int) -> list[int]:
             command = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"loopwatch.ingest.otlp.process" in command:
+        if MODULE.encode() in command:
             found.append(int(child))
     return found
 

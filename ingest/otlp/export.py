@@ -13,6 +13,7 @@ import logging
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kafka.errors import KafkaError
@@ -58,6 +59,11 @@ class ReceiverStats:
     conventions: Counter[str] = field(default_factory=Counter)
 
 
+def receiver_spool(settings: Settings) -> Path:
+    """The spool folder of a process's receivers (one per data dir: ``up`` has one)."""
+    return settings.spool_dir / "otlp-receiver"
+
+
 class SpanExport:
     """The shared half of the receivers: one producer, one in-flight bound, one set of
     counters for every transport of a process, so ``max_inflight`` bounds them all."""
@@ -70,7 +76,7 @@ class SpanExport:
         self.admission = threading.BoundedSemaphore(limits.max_inflight)
         self._cpu = threading.Lock()
         self.emitter = Emitter(
-            bootstrap, settings.events_topic, settings.spool_dir / "otlp-receiver",
+            bootstrap, settings.events_topic, receiver_spool(settings),
             max_message_bytes=max(1024, settings.max_message_bytes - 4096),
             capture=settings.capture, redactor=Redactor.from_settings(settings),
             captures_topic=settings.captures_topic,

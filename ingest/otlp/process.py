@@ -18,8 +18,9 @@ leaves no receiver holding the port.
 
 That receiver may still be stopping (flushing its producer, at most
 :data:`STOP_WITHIN_S`) when the next ``up`` starts its own: the new child waits that long
-for the old one's spool folder and port before it gives up. It used to fail at once on
-the spool's lock, and an ``up`` restarted right after a crash ran with no OTLP receiver.
+for the old one's spool folder and port, then kills it if it is still there (under load
+one was seen alive > 40 s after its ``up``'s SIGKILL). It used to fail at once on the
+spool's lock, and an ``up`` restarted right after a crash ran with no OTLP receiver.
 """
 
 from __future__ import annotations
@@ -45,12 +46,16 @@ from typing import Any, TypeVar
 import orjson
 
 from loopwatch.core.config import Settings
+from loopwatch.core.embedded.broker import process_argv
+from loopwatch.core.processes import parent_of
 from loopwatch.ingest.otlp.settings import OtlpSettings
 from loopwatch.ingest.spool import LOCK_FILE, SpoolLocked
 
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
+#: the module the child runs (``python -m``): how a receiver is told from other processes
+MODULE = "loopwatch.ingest.otlp.process"
 #: how long the parent waits for the child's address line (imports take ~1-3 s)
 START_TIMEOUT_S = 60.0
 #: how long the child's receivers may take to stop before it exits anyway
@@ -60,6 +65,8 @@ PARENT_CHECK_S = 0.5
 #: how long a new child waits for a previous receiver (orphaned by a crashed ``up``) to
 #: let go of the spool folder and the port: it stops within STOP_WITHIN_S of its parent
 TAKEOVER_WITHIN_S = STOP_WITHIN_S + 5.0
+#: how long it waits for the spool and port once it has killed a receiver that outlived that
+AFTER_KILL_WITHIN_S = 5.0
 
 
 class ReceiverProcess:
@@ -69,7 +76,7 @@ class ReceiverProcess:
 
     def __init__(self, settings: Settings, bootstrap: str, limits: OtlpSettings) -> None:
         self._child = subprocess.Popen(
-            [sys.executable, "-m", "loopwatch.ingest.otlp.process"],
+            [sys.executable, "-m", MODULE],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None)
         assert self._child.stdin is not None and self._child.stdout is not None
         config = pickle.dumps((settings, bootstrap, limits))
@@ -115,7 +122,8 @@ def _die_with_parent() -> None:
 def main() -> None:
     """The child: read the parent's settings, start the receivers, print their address
     as one JSON line, serve until SIGTERM or the parent is gone."""
-    from loopwatch.ingest.otlp.server import OtlpReceiver  # the child's imports only
+    from loopwatch.ingest.otlp.export import receiver_spool  # the child's imports only
+    from loopwatch.ingest.otlp.server import OtlpReceiver
 
     _die_with_parent()
     parent = os.getppid()
@@ -137,7 +145,7 @@ def main() -> None:
     try:
         receiver = _take_over(lambda: OtlpReceiver(settings, bootstrap, limits.host,
                                                    limits.port, limits.token, limits=limits),
-                              TAKEOVER_WITHIN_S, settings.spool_dir / "otlp-receiver")
+                              TAKEOVER_WITHIN_S, receiver_spool(settings))
     except (OSError, SpoolLocked) as exc:
         answer.write(orjson.dumps({"error": str(exc)}) + b"\n")
         answer.close()
@@ -175,7 +183,7 @@ def _take_over(start: Callable[[], T], within_s: float, spool: Path) -> T:
             if time.monotonic() > deadline:
                 if killed or not _kill_orphan_holder(spool):
                     raise
-                killed, deadline = True, time.monotonic() + 5.0
+                killed, deadline = True, time.monotonic() + AFTER_KILL_WITHIN_S
             time.sleep(0.2)
 
 
@@ -184,11 +192,12 @@ def _kill_orphan_holder(spool: Path) -> bool:
     not this process's sibling (its ``up`` is gone); whether one was killed."""
     try:
         pid = int((spool / LOCK_FILE).read_text().strip())
-        command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, ValueError, IndexError):
+    except (OSError, ValueError):
         return False
-    if b"loopwatch.ingest.otlp.process" not in command or int(stat[1]) == os.getppid():
+    argv = process_argv(pid)
+    if not argv or MODULE not in argv:
+        return False
+    if parent_of(pid) == os.getppid():
         return False
     log.warning("the previous OTLP receiver (pid %d) still holds %s; killing it", pid, spool)
     with contextlib.suppress(OSError):

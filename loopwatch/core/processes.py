@@ -19,6 +19,14 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def parent_of(pid: int) -> int | None:
+    """``pid``'s parent (Linux ``/proc``); None once ``pid`` is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def family(pid: int) -> list[int]:
     """``pid`` and every live process below it."""
     found, queue = [], [pid]

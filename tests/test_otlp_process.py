@@ -21,7 +21,7 @@ from loopwatch.core.config import Settings
 from loopwatch.core.embedded.broker import EmbeddedBroker
 from loopwatch.core.processes import children
 from loopwatch.core.topics import ensure_topics
-from loopwatch.ingest.otlp.process import MODULE, ReceiverProcess
+from loopwatch.ingest.otlp.process import MODULE, ReceiverProcess, _take_over
 from loopwatch.ingest.otlp.settings import OtlpSettings
 from loopwatch.ingest.spool import LOCK_FILE, DiskSpool
 from loopwatch.upprocess import UpProcess
@@ -113,6 +113,39 @@ def test_a_taken_port_is_refused_in_one_line(tmp_path: Path) -> None:
             ReceiverProcess(Settings(data_dir=tmp_path), "127.0.0.1:1",
                             OtlpSettings(port=port, grpc_port=None))
     assert not [pid for pid in receiver_children(os.getpid()) if alive(pid)]
+
+
+def test_a_port_a_previous_receiver_still_holds_is_waited_for(tmp_path: Path) -> None:
+    """The port is retried while the spool's lock names a live receiver of this module
+    (a stand-in here: a child whose argv names it, holding the port for a second); a
+    port another program holds is refused at once (the test above)."""
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import socket, sys, time\n"
+         "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+         "print(s.getsockname()[1], flush=True); time.sleep(1)", MODULE],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None
+        port = int(holder.stdout.readline())
+        (spool / LOCK_FILE).write_text(str(holder.pid))
+
+        def bind() -> socket.socket:
+            listener = socket.socket()
+            try:
+                listener.bind(("127.0.0.1", port))
+            except OSError:
+                listener.close()
+                raise
+            return listener
+
+        with _take_over(bind, 60, spool) as taken:
+            assert taken.getsockname()[1] == port
+        assert holder.wait(10) == 0  # it let go by itself: nothing was killed
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_the_receiver_process_ends_when_its_parent_s_pipe_does(tmp_path: Path) -> None:

@@ -166,8 +166,9 @@ def main() -> None:
 
 
 def _take_over(start: Callable[[], T], within_s: float, spool: Path) -> T:
-    """``start()``, tried again while the spool folder is locked or the port taken, for up
-    to ``within_s``: a receiver whose ``up`` crashed gives both up within that time. One
+    """``start()``, tried again while the spool folder is locked or the port taken by the
+    receiver that holds it, for up to ``within_s``: a receiver whose ``up`` crashed gives
+    both up within that time (a port another program holds is refused at once). One
     that still holds the spool then (seen under load: alive > 40 s after its ``up``'s
     SIGKILL) is an orphan receiver of this module: it is killed, and what it had not sent
     stays in the spool for this one to send."""
@@ -177,7 +178,8 @@ def _take_over(start: Callable[[], T], within_s: float, spool: Path) -> T:
         try:
             return start()
         except (SpoolLocked, OSError) as exc:
-            held = isinstance(exc, SpoolLocked) or exc.errno == errno.EADDRINUSE
+            held = isinstance(exc, SpoolLocked) or (
+                exc.errno == errno.EADDRINUSE and _receiver_holding(spool) is not None)
             if not held:
                 raise
             if time.monotonic() > deadline:
@@ -187,17 +189,23 @@ def _take_over(start: Callable[[], T], within_s: float, spool: Path) -> T:
             time.sleep(0.2)
 
 
-def _kill_orphan_holder(spool: Path) -> bool:
-    """SIGKILL the process named in ``spool``'s lock file if it runs this module and is
-    not this process's sibling (its ``up`` is gone); whether one was killed."""
+def _receiver_holding(spool: Path) -> int | None:
+    """The pid named in ``spool``'s lock file if that process runs this module (a
+    previous receiver of this data folder, maybe still letting go of the port); None
+    for a stale lock file or another program, whose taken port is refused at once."""
     try:
         pid = int((spool / LOCK_FILE).read_text().strip())
     except (OSError, ValueError):
-        return False
+        return None
     argv = process_argv(pid)
-    if not argv or MODULE not in argv:
-        return False
-    if parent_of(pid) == os.getppid():
+    return pid if argv and MODULE in argv and pid != os.getpid() else None
+
+
+def _kill_orphan_holder(spool: Path) -> bool:
+    """SIGKILL the receiver named in ``spool``'s lock file if it is not this process's
+    sibling (its ``up`` is gone); whether one was killed."""
+    pid = _receiver_holding(spool)
+    if pid is None or parent_of(pid) == os.getppid():
         return False
     log.warning("the previous OTLP receiver (pid %d) still holds %s; killing it", pid, spool)
     with contextlib.suppress(OSError):

@@ -393,6 +393,7 @@ LIMIT_ERRORS = {
     "TOO_MANY_ROWS_OR_BYTES": "the result is larger than LOOPWATCH_QUERY_MAX_RESULT_ROWS "
                               "({rows} rows) or LOOPWATCH_QUERY_MAX_RESULT_BYTES ({bytes} "
                               "bytes); add a LIMIT or aggregate",
+    "QUERY_WAS_CANCELLED": "the query was cancelled (KILL QUERY, or the store stopping)",
 }
 
 

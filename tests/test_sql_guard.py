@@ -346,11 +346,20 @@ def start_heavy(reader: ServiceReader, marker: str) -> tuple[threading.Thread, d
     return thread, outcome
 
 
-@pytest.mark.parametrize("service", [20.0], indirect=True, ids=["timeout 20 s"])
+def kill_heavy(client: Client, marker: str) -> None:
+    client.command(f"KILL QUERY WHERE query LIKE '%{marker}%' "
+                   "AND query NOT LIKE '%system.processes%' SYNC")
+
+
+CANCELLED = "query stopped: the query was cancelled (KILL QUERY, or the store stopping)"
+
+
+@pytest.mark.parametrize("service", [600.0], indirect=True, ids=["timeout 600 s"])
 def test_a_heavy_query_holds_up_neither_other_queries_nor_the_pipelines_writes(
         local_store, service):
-    """The heavy query must outlast a query, an insert and a query beside it: with 8 s,
-    a busy 2-core machine (load 6-8) finished them after it had been stopped."""
+    """The heavy query outlasts a query, an insert and a query beside it, however busy the
+    machine (a timeout of 8 s did not, at a load of 6-8): it runs until the test kills it,
+    and its reader is told so in one line."""
     _, writer = local_store
     reader = ServiceReader(service.url)
     marker = f"heavy_{uuid.uuid4().hex[:8]}"
@@ -361,11 +370,13 @@ def test_a_heavy_query_holds_up_neither_other_queries_nor_the_pipelines_writes(
     assert reader.query("SELECT count() FROM dead_letters WHERE id = {id:String}",
                         {"id": letter}).rows == [[1]]
     assert heavy_running(writer, marker), "the overlap is not proven: the heavy one ended"
+    kill_heavy(writer, marker)
     thread.join(120)
-    assert outcome["result"] == ("query stopped: the query ran longer than "
-                                 "LOOPWATCH_QUERY_TIMEOUT_S (20 s)")
+    assert outcome["result"] == CANCELLED
+    assert reader.query("SELECT 42 AS answer").rows == [[42]]
 
 
+@pytest.mark.parametrize("service", [600.0], indirect=True, ids=["timeout 600 s"])
 def test_beyond_the_pool_a_query_is_refused_as_busy(local_store, service):
     _, writer = local_store
     reader = ServiceReader(service.url)
@@ -375,9 +386,10 @@ def test_beyond_the_pool_a_query_is_refused_as_busy(local_store, service):
              what="both heavy queries to run")
     message = refusal(reader, "SELECT 42")
     assert message == "store busy: 2 queries are running (LOOPWATCH_QUERY_CONCURRENCY); try again"
-    for thread, outcome in started:
+    for (thread, outcome), marker in zip(started, markers, strict=True):
+        kill_heavy(writer, marker)
         thread.join(120)
-        assert outcome["result"].startswith("query stopped: the query ran longer")
+        assert outcome["result"] == CANCELLED
     assert reader.query("SELECT 42 AS answer").rows == [[42]]
 
 

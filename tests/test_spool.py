@@ -50,9 +50,11 @@ def test_one_batch_is_one_write_and_one_fsync(tmp_path: Path, fsyncs: list[int])
     spool.close()
 
 
-def test_the_emitter_writes_ahead_in_batches_not_per_event(tmp_path: Path, fsyncs: list[int]):
+def test_the_emitter_writes_ahead_in_batches_not_per_event(tmp_path: Path, fsyncs: list[int],
+                                                           caplog: pytest.LogCaptureFixture):
     """Embedded-broker mode (every event written ahead), the broker not up yet: 20,000
-    events reach the spool in far fewer fsyncs than events (one per sender batch)."""
+    events reach the spool in far fewer fsyncs than events (one per sender batch), and
+    the outage is told once (a connect per batch held each batch a bootstrap timeout)."""
     emitter = Emitter(f"127.0.0.1:{free_port()}", spool_dir=tmp_path / "spool",
                       confirm="pipeline", consumer_group="g",
                       producer_config={"max_block_ms": 200, "bootstrap_timeout_ms": 200})
@@ -64,6 +66,8 @@ def test_the_emitter_writes_ahead_in_batches_not_per_event(tmp_path: Path, fsync
     assert 1 <= emitter.spool.fsyncs <= 20_000 // 100, emitter.spool.fsyncs
     emitter.close(timeout_s=1, confirm_timeout_s=0)
     assert len(DiskSpool(tmp_path / "spool", 1 << 30).records()) == 20_000
+    assert [record.getMessage().split(" (")[0] for record in caplog.records
+            if record.name == "loopwatch.ingest.sdk"] == ["broker unavailable"]
 
 
 def test_a_line_torn_by_a_crash_stays_a_record_of_its_own(tmp_path: Path):

@@ -252,7 +252,7 @@ def test_a_forked_child_that_outlasts_its_timeout_is_killed(tmp_path: Path) -> N
     forks = _forks()
     env = {**os.environ, "LOOPWATCH_DATA_DIR": str(tmp_path / "data")}
     with pytest.raises(subprocess.TimeoutExpired):
-        forks.run(["serve", "--port", "0"], env, tmp_path / "out", timeout=5)
+        forks.run(["serve", "--port", "0"], env, tmp_path / "out", timeout=2)
     killed = forks.last_killed
     assert killed is not None and killed not in forks.unreaped()  # killed, then reaped
 

@@ -389,7 +389,7 @@ def scenario_run(
         raise typer.Exit(2)
     settings = settings_from(data_dir)
     result = run_live(scenarios[name], settings.data_dir / f"scenario-{name}", speed=speed,
-                      seed=seed, progress=None if as_json else console.print)
+                      seed=seed, progress=console.print)
     if as_json:
         sys.stdout.write(json.dumps(result, default=str) + "\n")
         return
@@ -412,7 +412,9 @@ def scenario_score(
     as_json: JsonFlag = False,
 ) -> None:
     """Scorecard: every scenario's detection and time to detect, and false alerts on a
-    clean baseline, all in simulated time against a fresh store."""
+    clean baseline, all in simulated time against a fresh store.
+
+    Progress goes to stderr also with ``--json``: a full card takes most of an hour."""
     import shutil
     import time
 
@@ -426,8 +428,7 @@ def scenario_score(
     started = time.monotonic()
 
     def progress(message: str) -> None:
-        if not as_json:
-            console.print(f"{time.monotonic() - started:6.0f}s  {message}")
+        console.print(f"{time.monotonic() - started:6.0f}s  {message}")
 
     card = score(migrate(settings), settings, seed=seed, history_days=days,
                  baseline_hours=baseline_hours, scenario_names=only, progress=progress)

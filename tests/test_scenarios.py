@@ -3,6 +3,10 @@ detects its scenarios with no false page, and one scenario runs through the live
 
 from __future__ import annotations
 
+import re
+import selectors
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,6 +29,27 @@ def test_every_scenario_names_rules_that_route_to_its_playbook():
     for scenario in scenarios.values():
         for rule in scenario.expected:
             assert rules[rule].playbook == scenario.playbook, (scenario.name, rule)
+
+
+def test_the_scorecard_shows_progress_on_stderr_also_with_json(tmp_path: Path):
+    """A full card takes most of an hour: a piped ``--json`` run must still say it is
+    alive. The child is stopped once its first progress line is read; stdout, which
+    carries the card alone, has nothing yet."""
+    child = subprocess.Popen(
+        [sys.executable, "-m", "loopwatch.cli", "scenario", "score", "--json",
+         "--days", "0.5", "--only", "rate_limit_storm", "--data-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        watch = selectors.DefaultSelector()
+        assert child.stderr is not None
+        watch.register(child.stderr, selectors.EVENT_READ)
+        assert watch.select(timeout=120), "no progress within 120 s"
+        first = child.stderr.readline()
+    finally:
+        child.kill()
+        stdout, _ = child.communicate()
+    assert re.fullmatch(r" *\d+s  loading 0\.5 days of clean history\n", first), first
+    assert stdout == ""
 
 
 def test_reduced_scorecard_detects_every_scenario_without_false_pages(local_store):

@@ -40,10 +40,10 @@ def test_the_scorecard_shows_progress_on_stderr_also_with_json(tmp_path: Path):
          "--days", "0.5", "--only", "rate_limit_storm", "--data-dir", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        watch = selectors.DefaultSelector()
         assert child.stderr is not None
-        watch.register(child.stderr, selectors.EVENT_READ)
-        assert watch.select(timeout=120), "no progress within 120 s"
+        with selectors.DefaultSelector() as watch:
+            watch.register(child.stderr, selectors.EVENT_READ)
+            assert watch.select(timeout=120), "no progress within 120 s"
         first = child.stderr.readline()
     finally:
         child.kill()

@@ -608,6 +608,15 @@ def _worker(env: dict[str, str], data_dir: Path) -> subprocess.Popen[bytes]:
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
+def _still_running(process: subprocess.Popen[bytes], log: Path) -> None:
+    """Raise, naming the last line of its log, when ``process`` has exited."""
+    code = process.poll()
+    if code is not None:
+        lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+        raise RuntimeError(f"the bench's `loopwatch worker` exited with {code}: "
+                           f"{lines[-1] if lines else 'no output'}")
+
+
 # -- open runs and alerts (a separate `up` on its own topic) ---------------------------------
 
 def _wait_counter(up: UpProcess, target: int, timeout_s: float = 120) -> None:
@@ -695,13 +704,17 @@ def wait_group_stable(bootstrap: str, group: str, members: int, timeout_s: float
         time.sleep(0.5)
 
 
-def _wait_lag_zero(bootstrap: str, group: str, topic: str, timeout_s: float = 300) -> None:
+def _wait_lag_zero(bootstrap: str, group: str, topic: str, timeout_s: float = 300,
+                   check: Callable[[], None] = lambda: None) -> None:
     """Until ``group`` has committed all of ``topic``. Generous: on a loaded machine a
-    group join alone has taken 25 s, and the bench smoke once ran out of 120 s here."""
+    group join alone has taken 25 s, and the bench smoke once ran out of 120 s here.
+    ``check`` raises when a process the wait depends on is gone, so that a dead worker
+    is named at once rather than after the whole timeout."""
     probe = LagProbe(bootstrap, group, topic)
     try:
         deadline = time.monotonic() + timeout_s
         while probe.lag() > 0:
+            check()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"consumer group {group} still lags on {topic}")
             time.sleep(0.2)
@@ -717,7 +730,8 @@ def _slope(xs: list[float], ys: list[float]) -> float:
 
 
 def open_run_memory(emitter: Emitter, runs: int, rounds: int,
-                    processes: dict[str, tuple[int, str]]) -> dict[str, dict[str, Any]]:
+                    processes: dict[str, tuple[int, str]],
+                    check: Callable[[], None] = lambda: None) -> dict[str, dict[str, Any]]:
     """VmRSS of each process (name: (pid, its consumer group)) after each of ``rounds``
     batches of ``runs`` new open runs, read once every group has committed the whole
     topic. Per process: ``rounds`` (growth per run of every batch; the first also pays
@@ -733,7 +747,7 @@ def open_run_memory(emitter: Emitter, runs: int, rounds: int,
             for index in range(0, runs, 5000):
                 emitter.send_and_wait(starts[index:index + 5000], timeout_s=60)
             for _process_id, group in processes.values():
-                _wait_lag_zero(emitter.bootstrap or "", group, emitter.topic)
+                _wait_lag_zero(emitter.bootstrap or "", group, emitter.topic, check=check)
         time.sleep(3.0)  # let the batch's rows and changelog writes settle
         for name, (pid, _group) in processes.items():
             rss = _proc_status(pid, "VmRSS")
@@ -938,11 +952,13 @@ def run_bench(events: int, workers: int, query_events: int,
                 memory_group = "loopwatch-bench-memory"
                 worker = _worker({**env_alert, "LOOPWATCH_CONSUMER_GROUP": memory_group},
                                  root / "alerts")
+                check = partial(_still_running, worker, root / "alerts" / "logs"
+                                / "bench-worker.out")
                 try:
-                    _wait_lag_zero(bootstrap, memory_group, "bench.alerts")
+                    _wait_lag_zero(bootstrap, memory_group, "bench.alerts", check=check)
                     growth = open_run_memory(emitter, open_runs, MEMORY_ROUNDS, {
                         "up": (_pid(up), env_alert["LOOPWATCH_CONSUMER_GROUP"]),
-                        "worker": (worker.pid, memory_group)})
+                        "worker": (worker.pid, memory_group)}, check)
                 finally:
                     terminate(worker, 60)
                 result["memory_per_open_run_bytes"] = heap_per_open_run(open_runs)

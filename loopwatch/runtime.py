@@ -50,7 +50,7 @@ from loopwatch.store.reader import (
     PooledReader,
     Reader,
     ServiceReader,
-    running_service,
+    await_service,
 )
 from loopwatch.store.remote_sink import INSERT_PATH, ServiceSink, decode_batch
 from loopwatch.store.revisions import REVISIONS_TABLE
@@ -283,7 +283,7 @@ def run_worker(settings: Settings, loglevel: str = "warning") -> None:
         sink, reader = ClickHouseSink(connect(settings)), DirectReader(connect(settings), settings)
         bootstrap = settings.kafka_bootstrap
     else:
-        announced = running_service(settings)
+        announced = await_service(settings, settings.broker_wait_s)
         if announced is None:
             raise RuntimeError(f"no `loopwatch up` owns the store in {settings.data_dir}; "
                                "start it first (extra workers write through it)")

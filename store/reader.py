@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from datetime import datetime
@@ -28,6 +29,9 @@ from loopwatch.store.clickhouse import (
 from loopwatch.store.sqlguard import RefusedQuery, SqlGuard, StoreBusy, limit_hit
 
 log = logging.getLogger(__name__)
+
+#: between tries at a store service whose owner lives but does not answer yet
+RETRY_PAUSE_S = 0.2
 
 
 class QueryError(RuntimeError):
@@ -231,19 +235,27 @@ class ServiceReader:
         try:
             return self._request(method, path, data, content_type, timeout_s)
         except ServiceUnreachable as exc:
-            if not isinstance(exc.__cause__, httpx.ConnectError) or not self._moved():
+            if not isinstance(exc.__cause__, httpx.ConnectError) or self._follow is None:
                 raise
-            return self._request(method, path, data, content_type, timeout_s)
+            deadline = time.monotonic() + self._follow.broker_wait_s
+            while True:
+                announced = await_service(self._follow, deadline - time.monotonic())
+                if announced is None:
+                    raise
+                self._use(announced["url"])
+                try:
+                    return self._request(method, path, data, content_type, timeout_s)
+                except ServiceUnreachable as again:
+                    if (not isinstance(again.__cause__, httpx.ConnectError)
+                            or time.monotonic() > deadline):
+                        raise
+                time.sleep(RETRY_PAUSE_S)
 
-    def _moved(self) -> bool:
-        """Whether the followed announcement now names another live service (then
-        this reader uses it from now on)."""
-        announced = running_service(self._follow) if self._follow is not None else None
-        if announced is None or announced["url"].rstrip("/") == self.url:
-            return False
-        log.warning("the store service moved from %s to %s", self.url, announced["url"])
-        self.url = announced["url"]
-        return True
+    def _use(self, url: str) -> None:
+        """Send from now on to ``url``, the address the followed announcement names."""
+        if url.rstrip("/") != self.url:
+            log.warning("the store service moved from %s to %s", self.url, url)
+            self.url = url
 
     def query(self, sql: str, parameters: dict[str, Any] | None = None) -> QueryResult:
         wire = {key: _wire_value(value) for key, value in (parameters or {}).items()}
@@ -264,6 +276,30 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _announced_owner_alive(settings: Settings) -> bool:
+    """Whether the data dir's announcement names a live process, answering or not."""
+    try:
+        announced = dict(orjson.loads(settings.service_file.read_bytes()))
+    except (FileNotFoundError, orjson.JSONDecodeError):
+        return False
+    return _alive(int(announced.get("pid", -1)))
+
+
+def await_service(settings: Settings, timeout_s: float) -> dict[str, Any] | None:
+    """The announcement of a live ``up`` that answers, waiting up to ``timeout_s`` while
+    the announcing process lives but does not answer yet: too busy for its health check
+    on a loaded machine, or re-executing itself after losing its embedded broker (its
+    pid and announcement stay, its socket is rebound). No announcement, or a dead pid,
+    is an answer at once: nobody is coming back."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        announced = running_service(settings)
+        if (announced is not None or not _announced_owner_alive(settings)
+                or time.monotonic() >= deadline):
+            return announced
+        time.sleep(RETRY_PAUSE_S)
 
 
 def running_service(settings: Settings) -> dict[str, Any] | None:

@@ -16,6 +16,7 @@ import json
 import os
 import socket
 import stat
+import subprocess
 import tempfile
 import threading
 import uuid
@@ -271,6 +272,48 @@ def test_a_socket_path_too_long_for_unix_binds_a_private_temporary_one(local_sto
         assert follower.url == moved
     finally:
         second.stop()
+
+
+def test_a_following_reader_waits_for_a_live_owner_rebinding_its_socket(local_store,
+                                                                        tmp_path: Path):
+    """An ``up`` that lost its broker re-executes itself: same pid, its announcement
+    left as it was, its socket gone until the new process binds it (the rebalance test
+    once failed on that ENOENT). A following reader (an extra worker's, a test's) waits
+    for the owner it knows to be alive and is answered once it serves again; an
+    announcement naming a dead process is refused at once, as before."""
+    settings = Settings(data_dir=tmp_path / "data")
+    settings.data_dir.mkdir()
+
+    def owner() -> StoreService:
+        return StoreService(local_store[1], lambda: {}, settings.service_file,
+                            settings.service_socket)
+
+    first = owner()
+    follower = ServiceReader(first.start({}), follow=settings)
+    assert follower.query("SELECT 1 AS one").rows == [[1]]
+    announcement = settings.service_file.read_bytes()
+    first.stop()
+    settings.service_file.write_bytes(announcement)  # as os.execv leaves it
+    assert not settings.service_socket.exists()
+    second = owner()
+    rebinding = threading.Timer(1.0, second.start, args=({},))
+    rebinding.start()
+    try:
+        assert follower.query("SELECT 2 AS two").rows == [[2]]
+    finally:
+        rebinding.join()
+        second.stop()
+    gone = orjson.loads(announcement) | {"pid": _dead_pid()}
+    settings.service_file.write_bytes(orjson.dumps(gone))
+    with pytest.raises(ServiceUnreachable, match="No such file"):
+        follower.query("SELECT 3 AS three")
+
+
+def _dead_pid() -> int:
+    """The pid of a child that has exited and been reaped."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
 
 
 # -- a web page on another origin, in a real browser --------------------------------------

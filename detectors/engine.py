@@ -251,8 +251,11 @@ class DetectorEngine:
             self.outbox.put(batch)
         self.outbox.flush()
 
-    def run(self, stop: threading.Event, interval_s: float) -> None:
-        """Evaluate every ``interval_s`` until ``stop`` is set; retry the outbox meanwhile."""
+    def run(self, stop: threading.Event, interval_s: float, delay_s: float = 0.0) -> None:
+        """Evaluate every ``interval_s`` until ``stop`` is set, the first pass after
+        ``delay_s``; retry the outbox meanwhile."""
+        if delay_s and stop.wait(delay_s):
+            return
         while not stop.is_set():
             try:
                 self.evaluate()

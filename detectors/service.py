@@ -67,8 +67,9 @@ def start_detectors(settings: Settings, reader: Client, writer: Client,
     from loopwatch.detectors.advisors.alerting import start_advisors
 
     engine = build_engine(settings, reader, writer)
-    threading.Thread(target=engine.run, args=(stop, settings.detect_interval_s),
+    delay_s = settings.detect_start_delay_s
+    threading.Thread(target=engine.run, args=(stop, settings.detect_interval_s, delay_s),
                      name="detectors", daemon=True).start()
     start_advisors(engine.query, engine.write, settings.advise,
-                   timedelta(seconds=settings.max_clock_skew_s), stop)
+                   timedelta(seconds=settings.max_clock_skew_s), stop, delay_s)
     return engine

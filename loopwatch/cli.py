@@ -331,7 +331,7 @@ def detect(data_dir: DataDir = None) -> None:
 
     start_decider(settings, connect(settings), stop)
     try:
-        engine.run(stop, settings.detect_interval_s)
+        engine.run(stop, settings.detect_interval_s, settings.detect_start_delay_s)
     except KeyboardInterrupt:
         stop.set()
 

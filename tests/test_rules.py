@@ -8,6 +8,7 @@ time. Every test uses its own agent names, so the shared store's other data is i
 from __future__ import annotations
 
 import re
+import threading
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -769,3 +770,48 @@ sql = '''SELECT 'a' AS agent, 1 + throwIf({{now:DateTime64(3, 'UTC')}}
     detector.evaluate(event_now=later, wall_now=later)
     assert len(counted.sent) == 2  # the broken rule alone until it answers, the rest batched
     assert [f.value for f in detector.last_findings["steady"]] == [32.0]
+
+
+class _Waits(threading.Event):
+    """A stop event that records each wait and answers "stopped" at once: the test
+    learns what the loop waits for without waiting itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited: list[float | None] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waited.append(timeout)
+        self.set()
+        return True
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 3600.0])
+def test_the_first_rule_and_advisor_pass_wait_for_the_start_delay(delay_s: float,
+                                                                  local_store):
+    """``detect_start_delay_s`` (the throughput bench's 3600): no pass before it; with
+    0 (the default) both loops pass at once, as a restarted ``up`` must to page."""
+    from loopwatch.core.config import AdvisorSettings
+    from loopwatch.detectors.advisors import alerting
+
+    passes: list[str] = []
+    _, client = local_store
+    detector = DetectorEngine(lambda sql, p: run_query(client, sql, p, readonly=True),
+                              lambda table, rows: None, rules={},
+                              playbook_steps=lambda name: [])
+    detector.evaluate = lambda *args, **kwargs: passes.append("rules") or []  # type: ignore[method-assign]
+    stop = _Waits()
+    detector.run(stop, interval_s=15.0, delay_s=delay_s)
+    original = alerting.advisor_pass
+    alerting.advisor_pass = lambda *args: passes.append("advisors")  # type: ignore[assignment]
+    try:
+        advisors_stop = _Waits()
+        alerting.run_advisors(None, lambda table, rows: None,  # type: ignore[arg-type]
+                              AdvisorSettings(), timedelta(0), advisors_stop, delay_s)
+    finally:
+        alerting.advisor_pass = original
+    if delay_s:
+        assert (passes, stop.waited, advisors_stop.waited) == ([], [3600.0], [3600.0])
+    else:
+        assert (passes, stop.waited, advisors_stop.waited) == (
+            ["rules", "advisors"], [15.0], [300.0])

@@ -120,8 +120,12 @@ def advisor_pass(reader: Reader, write: Write, settings: AdvisorSettings,
 
 
 def run_advisors(reader: Reader, write: Write, settings: AdvisorSettings,
-                 max_clock_skew: timedelta, stop: threading.Event) -> None:
-    """An advisor pass now and every ``interval_s`` until ``stop`` (a thread of ``up``)."""
+                 max_clock_skew: timedelta, stop: threading.Event,
+                 delay_s: float = 0.0) -> None:
+    """An advisor pass after ``delay_s`` and every ``interval_s`` until ``stop`` (a
+    thread of ``up``)."""
+    if delay_s and stop.wait(delay_s):
+        return
     while True:
         try:
             advisor_pass(reader, write, settings, max_clock_skew)
@@ -144,7 +148,8 @@ class QueryReader:
 
 def start_advisors(query: Callable[[str, dict[str, Any]], Any], write: Write,
                    settings: AdvisorSettings, max_clock_skew: timedelta,
-                   stop: threading.Event) -> None:
+                   stop: threading.Event, delay_s: float = 0.0) -> None:
     threading.Thread(target=run_advisors,
-                     args=(QueryReader(query), write, settings, max_clock_skew, stop),
+                     args=(QueryReader(query), write, settings, max_clock_skew, stop,
+                           delay_s),
                      name="advisors", daemon=True).start()

@@ -153,6 +153,10 @@ class Settings(BaseSettings):
     )
 
     detect_interval_s: float = Field(15.0, gt=0, description="seconds between rule passes")
+    detect_start_delay_s: float = Field(
+        0.0, ge=0, description="seconds `up` waits before its first rule and advisor pass "
+        "(0: at once, so a restart pages without waiting an interval; the throughput bench "
+        "holds them off its window)")
     alertmanager_url: str | None = Field(None, description="post alerts to this Alertmanager")
     webhook_url: str | None = Field(None, description="loopwatch's own signed webhook")
     webhook_secret: str = Field(

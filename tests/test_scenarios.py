@@ -60,8 +60,8 @@ def test_reduced_scorecard_detects_every_scenario_without_false_pages(local_stor
                         apply_retention=False)
     client = migrate(settings)
     card = score(client, settings, seed=11, history_days=0.25, baseline_hours=1,
-                 scenario_names=REDUCED, observe_minutes=20,
-                 quiet_passes=timedelta(minutes=15))
+                 scenario_names=REDUCED, observe_minutes=8,
+                 quiet_passes=timedelta(minutes=45))
     result = card.as_json()
     assert result["recall"] == 1.0, result
     # Issue 29: no false alert of any severity on the clean stretch (one warning allowed before).
@@ -73,9 +73,11 @@ def test_reduced_scorecard_detects_every_scenario_without_false_pages(local_stor
         assert entry["detected"]
         window = max(rules[rule].window.total_seconds() for rule in entry["expected"])
         assert entry["time_to_detect_s"] <= window + 120, (name, entry)
-    # Seeded traffic: the card is exact (the same with a pass a minute in the quiet stretches)
+    # Seeded traffic: the card is exact (the same with a pass a minute in the quiet
+    # stretches; each scenario starts where the one before recovered, so the observed
+    # minutes move the later scenarios' traffic: 20 of them gave 180, 120 and 240 s)
     assert {name: entry["time_to_detect_s"] for name, entry in result["scenarios"].items()} == {
-        "upstream_tool_outage": 180.0, "rate_limit_storm": 120.0, "infinite_loop_storm": 240.0}
+        "upstream_tool_outage": 180.0, "rate_limit_storm": 60.0, "infinite_loop_storm": 300.0}
     assert {name: entry["fired"] for name, entry in result["scenarios"].items()} == {
         "upstream_tool_outage": ["tool_error_rate", "tool_error_rate_warning"],
         "rate_limit_storm": ["rate_limit_storm"],

@@ -612,13 +612,16 @@ def _worker(env: dict[str, str], data_dir: Path) -> subprocess.Popen[bytes]:
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
-def _still_running(process: subprocess.Popen[bytes], log: Path) -> None:
-    """Raise, naming the last line of its log, when ``process`` has exited."""
+def _still_running(process: subprocess.Popen[bytes], logs: Path) -> None:
+    """Raise, naming the last lines of its output and its own log, when ``process`` (a
+    ``loopwatch worker`` writing into ``logs``) has exited."""
     code = process.poll()
     if code is not None:
-        lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+        said = [line for path in (logs / "bench-worker.out", logs / f"worker-{process.pid}.log")
+                if path.exists()
+                for line in path.read_text(errors="replace").strip().splitlines()[-3:]]
         raise RuntimeError(f"the bench's `loopwatch worker` exited with {code}: "
-                           f"{lines[-1] if lines else 'no output'}")
+                           + (" | ".join(said) or "no output"))
 
 
 # -- open runs and alerts (a separate `up` on its own topic) ---------------------------------
@@ -956,8 +959,7 @@ def run_bench(events: int, workers: int, query_events: int,
                 memory_group = "loopwatch-bench-memory"
                 worker = _worker({**env_alert, "LOOPWATCH_CONSUMER_GROUP": memory_group},
                                  root / "alerts")
-                check = partial(_still_running, worker, root / "alerts" / "logs"
-                                / "bench-worker.out")
+                check = partial(_still_running, worker, root / "alerts" / "logs")
                 try:
                     _wait_lag_zero(bootstrap, memory_group, "bench.alerts", check=check)
                     growth = open_run_memory(emitter, open_runs, MEMORY_ROUNDS, {

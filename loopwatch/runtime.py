@@ -300,6 +300,18 @@ def run_worker(settings: Settings, loglevel: str = "warning") -> None:
                             logfile=str(settings.data_dir / "logs" / f"worker-{os.getpid()}.log"))
     with contextlib.suppress(SystemExit):
         worker.execute_from_commandline()
+    raise_if_crashed(processor.app, settings.data_dir / "logs" / f"worker-{os.getpid()}.log")
+
+
+def raise_if_crashed(app: faust.App, log_file: Path) -> None:
+    """A faust app that crashed (an agent's or a timer's exception) stops its worker as
+    a clean stop does, and ``execute_from_commandline`` exits 0 either way: a supervisor
+    would not restart it, and the bench waited its whole timeout on a worker that had
+    quietly gone. The crash is a runtime error (exit 1) naming its reason."""
+    reason = app.crash_reason
+    if reason is not None:
+        raise RuntimeError(f"the processor crashed ({type(reason).__name__}: {reason}); "
+                           f"see {log_file}")
 
 
 #: what makes ``loopwatch up`` print a status line when it moved: the counters, and the

@@ -33,7 +33,8 @@ class Receiver:
                 self.end_headers()
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.02},
+                         daemon=True).start()
 
     @property
     def url(self) -> str:

@@ -354,7 +354,8 @@ class FakeGrafana:
         self.dashboards: dict[str, dict[str, Any]] = {}
         self.requests: list[tuple[str, str]] = []
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02},
+                         daemon=True).start()
 
     @property
     def url(self) -> str:

@@ -602,7 +602,8 @@ class _FakeOpenAI(BaseHTTPRequestHandler):
 @pytest.fixture()
 def fake_openai() -> Iterator[str]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeOpenAI)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02},
+                     daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}/v1"
     server.shutdown()
     server.server_close()

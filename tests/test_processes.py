@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
 import threading
 
+import faust
+import pytest
+
 from loopwatch.core.processes import children, family, terminate
+from loopwatch.runtime import raise_if_crashed
 
 
 def test_children_started_from_any_thread_are_found_and_gone_once_stopped() -> None:
@@ -32,3 +37,21 @@ def test_a_gone_process_has_no_children() -> None:
     process.wait()
     assert children(process.pid) == []
     assert family(process.pid) == [process.pid]
+
+
+def test_a_processor_whose_faust_app_crashed_is_a_runtime_error(tmp_path) -> None:
+    """faust stops the worker of a crashed app as it does on a clean stop, and
+    ``execute_from_commandline`` exits 0 both ways (the bench once waited 300 s on an
+    extra worker that had gone with exit 0 and no output). A real faust app, crashed as
+    an agent's exception crashes it; a clean one is no error."""
+    log_file = tmp_path / "worker-1.log"
+    app = faust.App("crash-probe", autodiscover=False)
+    raise_if_crashed(app, log_file)  # never crashed: no error
+
+    async def crash() -> None:
+        await app.crash(ValueError("an agent raised"))
+
+    asyncio.run(crash())
+    with pytest.raises(RuntimeError, match=r"^the processor crashed \(ValueError: an agent "
+                       rf"raised\); see {log_file}$"):
+        raise_if_crashed(app, log_file)

@@ -394,7 +394,8 @@ def test_a_page_on_another_origin_can_neither_read_nor_write_through_the_store(
             return
 
     origin = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
-    threading.Thread(target=origin.serve_forever, daemon=True).start()
+    threading.Thread(target=origin.serve_forever, kwargs={"poll_interval": 0.02},
+                     daemon=True).start()
     try:
         browser.get(f"http://127.0.0.1:{origin.server_address[1]}/")
         wait_for(lambda: browser.title == "done", 60, what="the page's requests settled")

@@ -57,7 +57,7 @@ def up(
 ) -> None:
     """Run broker (unless configured), processors and the store service until Ctrl-C."""
     from loopwatch.core.embedded.lifecycle import BrokerError
-    from loopwatch.runtime import exit_without_engine_teardown, run_up
+    from loopwatch.runtime import ProcessorCrashed, exit_without_engine_teardown, run_up
 
     settings = settings_from(data_dir)
 
@@ -95,6 +95,9 @@ def up(
     except BrokerError as exc:
         console.print(f"loopwatch up: {exc}", markup=False, highlight=False)
         raise typer.Exit(1) from None
+    except ProcessorCrashed as exc:  # stopped and cleaned up like a stop, but not asked
+        console.print(f"loopwatch up: {exc}", markup=False, highlight=False)
+        exit_without_engine_teardown(1)
     stored = latest.get("counters", {}).get("events")
     console.print("stopped" if stored is None else f"stopped: {stored} events stored",
                   markup=False, highlight=False)

@@ -303,6 +303,10 @@ def run_worker(settings: Settings, loglevel: str = "warning") -> None:
     raise_if_crashed(processor.app, settings.data_dir / "logs" / f"worker-{os.getpid()}.log")
 
 
+class ProcessorCrashed(RuntimeError):
+    """The processors' faust app crashed: its worker stopped as on a clean stop."""
+
+
 def raise_if_crashed(app: faust.App, log_file: Path) -> None:
     """A faust app that crashed (an agent's or a timer's exception) stops its worker as
     a clean stop does, and ``execute_from_commandline`` exits 0 either way: a supervisor
@@ -310,8 +314,8 @@ def raise_if_crashed(app: faust.App, log_file: Path) -> None:
     quietly gone. The crash is a runtime error (exit 1) naming its reason."""
     reason = app.crash_reason
     if reason is not None:
-        raise RuntimeError(f"the processor crashed ({type(reason).__name__}: {reason}); "
-                           f"see {log_file}")
+        raise ProcessorCrashed(f"the processor crashed ({type(reason).__name__}: {reason}); "
+                               f"see {log_file}")
 
 
 #: what makes ``loopwatch up`` print a status line when it moved: the counters, and the
@@ -475,15 +479,16 @@ class BrokerWatch:
         os.execv(sys.executable, sys.orig_argv)
 
 
-def exit_without_engine_teardown() -> None:
-    """Exit 0 at once, once ``run_up`` has returned: offsets are committed, the receivers,
+def exit_without_engine_teardown(code: int = 0) -> None:
+    """Exit with ``code`` at once, once ``run_up`` has returned (or raised
+    :class:`ProcessorCrashed`): offsets are committed, the receivers,
     the store service and the broker are stopped, and every row ClickHouse acknowledged
     is on disk. What is left is the interpreter's teardown, with the detectors' daemon
     threads possibly still inside a chdb query while chdb's own destructors run: under
     load that teardown crashed (a libc++ "vector[] index out of bounds" assertion, then
     SIGSEGV) or hung until the supervisor's SIGKILL, and a clean stop read as a crash."""
     _flush_output()
-    os._exit(0)
+    os._exit(code)
 
 
 def _flush_output() -> None:
@@ -597,6 +602,7 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
             watch = BrokerWatch(broker, stop_requested).start()
         with contextlib.suppress(SystemExit):
             worker.execute_from_commandline()
+        raise_if_crashed(processor.app, settings.data_dir / "logs" / "worker.log")
     finally:
         if watch is not None:
             watch.stop()

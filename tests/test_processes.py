@@ -12,7 +12,7 @@ import faust
 import pytest
 
 from loopwatch.core.processes import children, family, terminate
-from loopwatch.runtime import raise_if_crashed
+from loopwatch.runtime import ProcessorCrashed, raise_if_crashed
 
 
 def test_children_started_from_any_thread_are_found_and_gone_once_stopped() -> None:
@@ -52,6 +52,6 @@ def test_a_processor_whose_faust_app_crashed_is_a_runtime_error(tmp_path) -> Non
         await app.crash(ValueError("an agent raised"))
 
     asyncio.run(crash())
-    with pytest.raises(RuntimeError, match=r"^the processor crashed \(ValueError: an agent "
+    with pytest.raises(ProcessorCrashed, match=r"^the processor crashed \(ValueError: an agent "
                        rf"raised\); see {log_file}$"):
         raise_if_crashed(app, log_file)

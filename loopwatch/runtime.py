@@ -295,12 +295,13 @@ def run_worker(settings: Settings, loglevel: str = "warning") -> None:
     open_runs, lookup_runs = _store_reads(reader, settings)
     processor = Processor(settings, bootstrap, sink, open_runs=open_runs,
                           lookup_runs=lookup_runs)
+    log_file = settings.data_dir / "logs" / f"worker-{os.getpid()}.log"
     worker = DrainingWorker(processor, bootstrap, stop_requested,
                             loglevel=loglevel, quiet=True, redirect_stdouts=False,
-                            logfile=str(settings.data_dir / "logs" / f"worker-{os.getpid()}.log"))
+                            logfile=str(log_file))
     with contextlib.suppress(SystemExit):
         worker.execute_from_commandline()
-    raise_if_crashed(processor.app, settings.data_dir / "logs" / f"worker-{os.getpid()}.log")
+    raise_if_crashed(processor.app, log_file)
 
 
 class ProcessorCrashed(RuntimeError):
@@ -593,16 +594,17 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
         _sample_gauges(settings, bootstrap, connect(settings), status, detectors_stop)
         start_size_cap(settings, connect(settings), detectors_stop)
         start_decider(settings, connect(settings), detectors_stop)
+        log_file = settings.data_dir / "logs" / "worker.log"
         worker = DrainingWorker(processor, bootstrap, stop_requested, on_stopping,
                                 loglevel=loglevel, quiet=True, redirect_stdouts=False,
-                                logfile=str(settings.data_dir / "logs" / "worker.log"))
+                                logfile=str(log_file))
         if broker is not None:
             if broker.adopted:
                 _outlive_dead_members(settings, adopted_at, stop_requested)
             watch = BrokerWatch(broker, stop_requested).start()
         with contextlib.suppress(SystemExit):
             worker.execute_from_commandline()
-        raise_if_crashed(processor.app, settings.data_dir / "logs" / "worker.log")
+        raise_if_crashed(processor.app, log_file)
     finally:
         if watch is not None:
             watch.stop()

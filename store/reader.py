@@ -30,7 +30,7 @@ from loopwatch.store.sqlguard import RefusedQuery, SqlGuard, StoreBusy, limit_hi
 
 log = logging.getLogger(__name__)
 
-#: between tries at a store service whose owner lives but does not answer yet
+#: between looks at a store service whose owner lives but does not answer yet
 RETRY_PAUSE_S = 0.2
 
 
@@ -231,31 +231,21 @@ class ServiceReader:
     def _followed(self, method: str, path: str, data: bytes | None = None,
                   content_type: str | None = None, timeout_s: float | None = None) -> bytes:
         """A request, tried once more where the followed announcement names the service
-        now when this address refused to connect."""
+        now when this address refused to connect (once that service answers:
+        :func:`await_service`)."""
         try:
             return self._request(method, path, data, content_type, timeout_s)
         except ServiceUnreachable as exc:
             if not isinstance(exc.__cause__, httpx.ConnectError) or self._follow is None:
                 raise
-            deadline = time.monotonic() + self._follow.broker_wait_s
-            while True:
-                announced = await_service(self._follow, deadline - time.monotonic())
-                if announced is None:
-                    raise
-                self._use(announced["url"])
-                try:
-                    return self._request(method, path, data, content_type, timeout_s)
-                except ServiceUnreachable as again:
-                    if (not isinstance(again.__cause__, httpx.ConnectError)
-                            or time.monotonic() > deadline):
-                        raise
-                time.sleep(RETRY_PAUSE_S)
-
-    def _use(self, url: str) -> None:
-        """Send from now on to ``url``, the address the followed announcement names."""
-        if url.rstrip("/") != self.url:
-            log.warning("the store service moved from %s to %s", self.url, url)
-            self.url = url
+            announced = await_service(self._follow, self._follow.broker_wait_s)
+            if announced is None:
+                raise
+            if announced["url"].rstrip("/") != self.url:
+                log.warning("the store service moved from %s to %s", self.url,
+                            announced["url"])
+                self.url = announced["url"]
+            return self._request(method, path, data, content_type, timeout_s)
 
     def query(self, sql: str, parameters: dict[str, Any] | None = None) -> QueryResult:
         wire = {key: _wire_value(value) for key, value in (parameters or {}).items()}
@@ -278,13 +268,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _announced_owner_alive(settings: Settings) -> bool:
-    """Whether the data dir's announcement names a live process, answering or not."""
+def _announced_by_the_living(settings: Settings) -> dict[str, Any] | None:
+    """The data dir's announcement if it names a live process, answering or not."""
     try:
         announced = dict(orjson.loads(settings.service_file.read_bytes()))
     except (FileNotFoundError, orjson.JSONDecodeError):
-        return False
-    return _alive(int(announced.get("pid", -1)))
+        return None
+    return announced if _alive(int(announced.get("pid", -1))) else None
 
 
 def await_service(settings: Settings, timeout_s: float) -> dict[str, Any] | None:
@@ -296,7 +286,7 @@ def await_service(settings: Settings, timeout_s: float) -> dict[str, Any] | None
     deadline = time.monotonic() + timeout_s
     while True:
         announced = running_service(settings)
-        if (announced is not None or not _announced_owner_alive(settings)
+        if (announced is not None or _announced_by_the_living(settings) is None
                 or time.monotonic() >= deadline):
             return announced
         time.sleep(RETRY_PAUSE_S)
@@ -304,11 +294,8 @@ def await_service(settings: Settings, timeout_s: float) -> dict[str, Any] | None
 
 def running_service(settings: Settings) -> dict[str, Any] | None:
     """The announcement of a live ``loopwatch up`` on this data dir, if there is one."""
-    try:
-        announced = dict(orjson.loads(settings.service_file.read_bytes()))
-    except (FileNotFoundError, orjson.JSONDecodeError):
-        return None
-    if not _alive(int(announced.get("pid", -1))):
+    announced = _announced_by_the_living(settings)
+    if announced is None:
         return None
     try:
         ServiceReader(announced["url"]).health()

@@ -107,6 +107,13 @@ PIPELINE_ENV = {
 }
 
 
+def dead_pid() -> int:
+    """The pid of a child that has exited and been reaped."""
+    done = subprocess.Popen(["true"])
+    done.wait()
+    return done.pid
+
+
 def wait_for(probe: Callable[[], T], timeout_s: float = 60.0, interval_s: float = 0.3,
              what: str = "condition") -> T:
     """Poll until ``probe()`` is truthy; return it, or fail with the last value seen."""

@@ -24,7 +24,7 @@ from loopwatch.core.embedded.lifecycle import BrokerError, DataDirBroker
 from loopwatch.ingest.announce import BrokerAnnouncement, read_announcement, write_announcement
 from loopwatch.ingest.sdk import Emitter, RunContext
 from loopwatch.upprocess import UpProcess
-from tests.conftest import PIPELINE_ENV, scalar, wait_for
+from tests.conftest import PIPELINE_ENV, dead_pid, scalar, wait_for
 
 pytestmark = pytest.mark.stack  # starts brokers / `loopwatch up` itself
 
@@ -227,13 +227,7 @@ def _record(data_dir: Path, port: int, pid: int, incarnation: str) -> None:
         f"127.0.0.1:{port}", pid, incarnation, "loopwatch.events", "loopwatch-processors", 1.0))
 
 
-def _dead_pid() -> int:
-    done = subprocess.Popen(["true"])
-    done.wait()
-    return done.pid
-
-
-@pytest.mark.parametrize("pid_of", [_dead_pid, os.getpid], ids=["dead", "not-a-broker"])
+@pytest.mark.parametrize("pid_of", [dead_pid, os.getpid], ids=["dead", "not-a-broker"])
 def test_a_stale_record_gets_a_new_incarnation_on_its_port(tmp_path: Path, pid_of):
     """A record whose pid is gone, or is some other process (here: this Python), is not
     adopted: a new broker starts on the recorded port with a new incarnation, recorded

@@ -787,8 +787,8 @@ class _Waits(threading.Event):
 
 
 @pytest.mark.parametrize("delay_s", [0.0, 3600.0])
-def test_the_first_rule_and_advisor_pass_wait_for_the_start_delay(delay_s: float,
-                                                                  local_store):
+def test_the_first_rule_and_advisor_pass_wait_for_the_start_delay(
+        delay_s: float, local_store, monkeypatch: pytest.MonkeyPatch):
     """``detect_start_delay_s`` (the throughput bench's 3600): no pass before it; with
     0 (the default) both loops pass at once, as a restarted ``up`` must to page."""
     from loopwatch.core.config import AdvisorSettings
@@ -799,17 +799,12 @@ def test_the_first_rule_and_advisor_pass_wait_for_the_start_delay(delay_s: float
     detector = DetectorEngine(lambda sql, p: run_query(client, sql, p, readonly=True),
                               lambda table, rows: None, rules={},
                               playbook_steps=lambda name: [])
-    detector.evaluate = lambda *args, **kwargs: passes.append("rules") or []  # type: ignore[method-assign]
-    stop = _Waits()
+    monkeypatch.setattr(detector, "evaluate", lambda *args: passes.append("rules") or [])
+    monkeypatch.setattr(alerting, "advisor_pass", lambda *args: passes.append("advisors"))
+    stop, advisors_stop = _Waits(), _Waits()
     detector.run(stop, interval_s=15.0, delay_s=delay_s)
-    original = alerting.advisor_pass
-    alerting.advisor_pass = lambda *args: passes.append("advisors")  # type: ignore[assignment]
-    try:
-        advisors_stop = _Waits()
-        alerting.run_advisors(None, lambda table, rows: None,  # type: ignore[arg-type]
-                              AdvisorSettings(), timedelta(0), advisors_stop, delay_s)
-    finally:
-        alerting.advisor_pass = original
+    alerting.run_advisors(None, lambda table, rows: None,  # type: ignore[arg-type]
+                          AdvisorSettings(), timedelta(0), advisors_stop, delay_s)
     if delay_s:
         assert (passes, stop.waited, advisors_stop.waited) == ([], [3600.0], [3600.0])
     else:

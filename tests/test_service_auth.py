@@ -16,7 +16,6 @@ import json
 import os
 import socket
 import stat
-import subprocess
 import tempfile
 import threading
 import uuid
@@ -38,7 +37,7 @@ from loopwatch.store.clickhouse import connect, run_query
 from loopwatch.store.reader import QueryError, ServiceReader, ServiceUnreachable
 from loopwatch.store.service import MAX_SOCKET_PATH, SERVICE_HOST, ServiceInUse, StoreService
 from tests.browser import chromium
-from tests.conftest import wait_for
+from tests.conftest import dead_pid, wait_for
 
 NOBODY = 65534
 needs_root = pytest.mark.skipif(os.geteuid() != 0,
@@ -303,17 +302,10 @@ def test_a_following_reader_waits_for_a_live_owner_rebinding_its_socket(local_st
     finally:
         rebinding.join()
         second.stop()
-    gone = orjson.loads(announcement) | {"pid": _dead_pid()}
+    gone = orjson.loads(announcement) | {"pid": dead_pid()}
     settings.service_file.write_bytes(orjson.dumps(gone))
     with pytest.raises(ServiceUnreachable, match="No such file"):
         follower.query("SELECT 3 AS three")
-
-
-def _dead_pid() -> int:
-    """The pid of a child that has exited and been reaped."""
-    child = subprocess.Popen(["true"])
-    child.wait()
-    return child.pid
 
 
 # -- a web page on another origin, in a real browser --------------------------------------

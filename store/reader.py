@@ -269,12 +269,15 @@ def _alive(pid: int) -> bool:
 
 
 def _announced_by_the_living(settings: Settings) -> dict[str, Any] | None:
-    """The data dir's announcement if it names a live process, answering or not."""
+    """The data dir's announcement if it names a live process, answering or not; an
+    announcement that is no JSON object with an integer pid names nobody."""
     try:
-        announced = dict(orjson.loads(settings.service_file.read_bytes()))
+        announced = orjson.loads(settings.service_file.read_bytes())
     except (FileNotFoundError, orjson.JSONDecodeError):
         return None
-    return announced if _alive(int(announced.get("pid", -1))) else None
+    if not isinstance(announced, dict) or type(announced.get("pid")) is not int:
+        return None
+    return announced if _alive(announced["pid"]) else None
 
 
 def await_service(settings: Settings, timeout_s: float) -> dict[str, Any] | None:

@@ -303,9 +303,12 @@ def test_a_following_reader_waits_for_a_live_owner_rebinding_its_socket(local_st
         rebinding.join()
         second.stop()
     gone = orjson.loads(announcement) | {"pid": dead_pid()}
-    settings.service_file.write_bytes(orjson.dumps(gone))
-    with pytest.raises(ServiceUnreachable, match="No such file"):
-        follower.query("SELECT 3 AS three")
+    hostile = [orjson.dumps(gone), b"[1, 2]", orjson.dumps(gone | {"pid": "1"}),
+               orjson.dumps(gone | {"pid": None}), b"\xff not json"]
+    for written in hostile:  # nobody is coming back: refused at once, as before
+        settings.service_file.write_bytes(written)
+        with pytest.raises(ServiceUnreachable, match="No such file"):
+            follower.query("SELECT 3 AS three")
 
 
 # -- a web page on another origin, in a real browser --------------------------------------

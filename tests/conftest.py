@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 import urllib.request
 import uuid
@@ -36,6 +37,33 @@ T = TypeVar("T")
 # The usual umask, whatever the machine's: a file loopwatch creates group- or
 # world-readable shows as such (tests/test_service_auth.py checks the data dirs).
 os.umask(0o022)
+
+#: where the tests' throwaway stores go when the user named no temporary folder: a
+#: memory file system if the machine has one with room. The chdb stores of a run are
+#: tens of thousands of files that merges and clean-ups delete again; on a disk mounted
+#: with ``discard`` (the reference machine's) each delete waits on the device, which
+#: cost the fast tier ~8 s of its ~100 (docs/performance.md, "The fast tier").
+MEMORY_TEMP_ROOT = Path("/dev/shm")
+MEMORY_TEMP_MIN_FREE = 4 << 30
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Point pytest's ``tmp_path`` root and the children's ``TMPDIR`` at
+    :data:`MEMORY_TEMP_ROOT` (before any temporary folder is made), unless the user set
+    either or the machine has no room there."""
+    if os.environ.get("PYTEST_DEBUG_TEMPROOT") or os.environ.get("TMPDIR"):
+        return
+    try:
+        usage = shutil.disk_usage(MEMORY_TEMP_ROOT)
+        root = MEMORY_TEMP_ROOT / f"loopwatch-tests-{os.getuid()}"
+        root.mkdir(mode=0o700, exist_ok=True)
+    except OSError:
+        return
+    if usage.free < MEMORY_TEMP_MIN_FREE or not os.access(root, os.W_OK):
+        return
+    os.environ["PYTEST_DEBUG_TEMPROOT"] = os.environ["TMPDIR"] = str(root)
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+
 
 #: Fixtures that start a service: a test that needs one (directly or through another
 #: fixture) is in the ``stack`` tier; ``pytest -m "not stack"`` runs the fast tier

@@ -243,6 +243,7 @@ FIDELITY: list[tuple[list[str], dict[str, str]]] = [
     (["--debug", "query", "SELECT 1"], {}), (["query", "SELECT 1"], {"LOOPWATCH_DEBUG": "1"}),
     (["query", "SELECT 1"], INVALID_SETTINGS),
     (["alerts"], {"LOOPWATCH_KAFKA_BOOTSTRAP": BOOTSTRAPS[0]}), (["dlq"], {}),
+    (["playbook", "agent_stuck_in_loop"], {}),  # imports what the fork server preloads
 ]
 
 

@@ -110,7 +110,7 @@ def _states(pipeline: Pipeline) -> dict[str, tuple[dict[str, Any], dict[str, Any
 
 @pytest.fixture(scope="module")
 def messages() -> list[RawMessage]:
-    return _messages(60_000)
+    return _messages(20_000)
 
 
 def test_lean_fold_reaches_the_same_states_rows_and_counters(messages: list[RawMessage]

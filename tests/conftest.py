@@ -6,6 +6,7 @@ Tests isolate themselves by agent name (``agent`` fixture), never by fresh servi
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import subprocess
@@ -19,6 +20,7 @@ from typing import Any, TypeVar
 
 import orjson
 import pytest
+from _pytest.mark.expression import Expression
 from clickhouse_connect.driver.client import Client
 
 from loopwatch.core.config import Settings
@@ -63,6 +65,28 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     os.environ["PYTEST_DEBUG_TEMPROOT"] = os.environ["TMPDIR"] = str(root)
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """The ``-n auto`` of the addopts: the whole suite on two workers (each starts its
+    own broker and ``up`` for the stack tier; a third pair would crowd two cores), the
+    fast tier on one more worker than cores, since its tests spend a sixth of their
+    time waiting on children (CLI runs, bench smokes, receivers): on the reference
+    machine 84-85 s against 88-89 s with two. ``PYTEST_XDIST_AUTO_NUM_WORKERS`` wins."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "").isdigit():
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    selection = config.getoption("markexpr") or ""
+    fast_tier = bool(selection) and not Expression.compile(selection).evaluate(
+        lambda mark: mark == "stack")
+    return (os.cpu_count() or 1) + 1 if fast_tier else 2
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what collection imported out of the garbage collector's reach: every
+    later collection would walk those objects again (the test processes import chdb,
+    faust, scipy and the whole project), which cost ~5 s of the fast tier's CPU."""
+    gc.collect()
+    gc.freeze()
 
 
 #: Fixtures that start a service: a test that needs one (directly or through another

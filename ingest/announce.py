@@ -74,6 +74,7 @@ def read_announcement(data_dir: Path) -> BrokerAnnouncement | None:
     ...     "127.0.0.1:19092", 42, "i-1", "loopwatch.events", "g", 0.0))
     >>> read_announcement(folder).port, oct(broker_file(folder).stat().st_mode & 0o777)
     (19092, '0o600')
+    >>> import shutil; shutil.rmtree(folder)
     """
     try:
         data = json.loads(broker_file(data_dir).read_bytes())

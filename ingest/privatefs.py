@@ -22,6 +22,7 @@ Traceback (most recent call last):
 NotADirectoryError: [Errno 20] not a directory: '...f.json'
 >>> oct(mode(folder / "f.json"))
 '0o600'
+>>> import shutil; shutil.rmtree(root)
 """
 
 from __future__ import annotations

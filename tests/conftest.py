@@ -50,21 +50,46 @@ MEMORY_TEMP_MIN_FREE = 4 << 30
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Point pytest's ``tmp_path`` root and the children's ``TMPDIR`` at
-    :data:`MEMORY_TEMP_ROOT` (before any temporary folder is made), unless the user set
-    either or the machine has no room there."""
+    """Point pytest's ``tmp_path`` root (which keeps the last three sessions' folders)
+    at :data:`MEMORY_TEMP_ROOT`, and ``TMPDIR`` (what the tests' children and
+    ``tempfile`` use) at a folder of this session there, removed when it ends; unless
+    the user set either, or the machine has no room there. Workers inherit both."""
     if os.environ.get("PYTEST_DEBUG_TEMPROOT") or os.environ.get("TMPDIR"):
         return
     try:
         usage = shutil.disk_usage(MEMORY_TEMP_ROOT)
         root = MEMORY_TEMP_ROOT / f"loopwatch-tests-{os.getuid()}"
-        root.mkdir(mode=0o700, exist_ok=True)
+        root.mkdir(exist_ok=True)
+        if (usage.free < MEMORY_TEMP_MIN_FREE or root.is_symlink()
+                or root.stat().st_uid != os.getuid()):  # another user's folder: not ours
+            return
+        _remove_abandoned_sessions(root)
+        session = Path(tempfile.mkdtemp(prefix=f"session-{os.getpid()}-", dir=root))
+        # others may traverse, as they may /tmp: tests/test_service_auth.py checks that
+        # the data dir's own modes keep them out, under a parent anyone can pass
+        for folder in (root, session):
+            os.chmod(folder, 0o755)
     except OSError:
         return
-    if usage.free < MEMORY_TEMP_MIN_FREE or not os.access(root, os.W_OK):
-        return
-    os.environ["PYTEST_DEBUG_TEMPROOT"] = os.environ["TMPDIR"] = str(root)
+    os.environ["PYTEST_DEBUG_TEMPROOT"] = str(root)
+    os.environ["TMPDIR"] = str(session)
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    config.add_cleanup(lambda: shutil.rmtree(session, ignore_errors=True))
+
+
+def _remove_abandoned_sessions(root: Path) -> None:
+    """The ``TMPDIR`` folders of sessions whose process is gone (killed before its
+    clean-up): they would hold memory until the machine restarts."""
+    for folder in root.glob("session-*-*"):
+        pid = folder.name.split("-")[1]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            continue
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:

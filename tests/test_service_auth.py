@@ -14,6 +14,7 @@ import contextlib
 import http.server
 import json
 import os
+import shutil
 import socket
 import stat
 import tempfile
@@ -117,6 +118,7 @@ def owned(local_store) -> Iterator[tuple[Settings, StoreService, Path]]:
         yield settings, service, root
     finally:
         service.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_the_service_listens_on_a_private_socket_and_announces_it_privately(owned):
@@ -132,7 +134,7 @@ def test_the_service_listens_on_a_private_socket_and_announces_it_privately(owne
 
 @needs_root
 def test_another_user_can_neither_read_the_announcement_nor_connect(owned, local_store):
-    settings, service, _root = owned
+    settings, service, root = owned
     run_id = f"FORGED-{uuid.uuid4().hex[:8]}"
 
     def announcement() -> str:
@@ -142,6 +144,9 @@ def test_another_user_can_neither_read_the_announcement_nor_connect(owned, local
         return http_over(service.url, "POST", "/admin/insert-batch", forged_batch(run_id),
                          {"Content-Type": "application/octet-stream"})
 
+    # the other user gets as far as the data dir (its parent is open, as a home dir
+    # often is): what refuses them below is the data dir's own modes
+    assert as_user(NOBODY, lambda: str(os.listdir(root))) == "['data']"
     assert as_user(NOBODY, announcement) == "refused PermissionError 13"
     assert as_user(NOBODY, forge) == "refused PermissionError 13"
     assert as_user(None, lambda: http_over(service.url, "GET", "/health")) == "HTTP/1.1 200 OK"

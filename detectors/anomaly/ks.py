@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from datetime import datetime
+from functools import cache
+from typing import Any
 
 import numpy as np
-from scipy.stats import ks_2samp
 
 from loopwatch.detectors.anomaly.base import surprise
 
-#: ks_2samp without scipy's axis/NaN-policy wrapper, which costs ~3/4 of a 300 x 60 test
-#: (0.78 ms against 0.17 on the reference machine) and does nothing for the two finite
-#: 1-D arrays given here: the same statistic and p-value (tests/test_anomaly.py)
-_ks_2samp = getattr(ks_2samp, "__wrapped__", ks_2samp)
+
+@cache
+def _ks_2samp() -> Callable[..., Any]:
+    """``ks_2samp`` without scipy's axis/NaN-policy wrapper, which costs ~3/4 of a 300 x
+    60 test (0.78 ms against 0.17 on the reference machine) and does nothing for the two
+    finite 1-D arrays given here: the same statistic and p-value (tests/test_anomaly.py).
+    Imported at the first test, not with the module: ``scipy.stats`` is ~0.4 s of import
+    beyond ``scipy.special``, which every process that loads the rules would pay (the
+    CLI's ``playbook``, ``ruletable``, a test's children) though few run this detector."""
+    from scipy.stats import ks_2samp
+
+    return getattr(ks_2samp, "__wrapped__", ks_2samp)
 
 
 class KSShift:
@@ -56,7 +66,7 @@ class KSShift:
         values = np.fromiter(self._held, dtype=np.float64, count=held)
         split = held - (self.recent - 1)
         recent = np.append(values[split:], x)
-        result = _ks_2samp(values[:split], recent)
+        result = _ks_2samp()(values[:split], recent)
         return float(result.pvalue)
 
     def score_one(self, x: float, t: datetime | None = None) -> float:

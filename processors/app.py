@@ -444,7 +444,7 @@ class Processor:
         admitted, reread = self.continuity.admit(by_position)
         for partition, offset in reread.items():
             tp = next(e.message.tp for e in events if e.message.partition == partition)
-            await self.app.consumer.seek(tp, offset)
+            await self._seek(tp, offset)
         return [by_position[position] for position in admitted]
 
     async def _ack_when_stored(self, stream: Any, events: list[Any],
@@ -544,7 +544,18 @@ class Processor:
                  if tp.topic == self.settings.events_topic}
         ends = {partition: consumer.highwater(tp) or 0 for partition, tp in owned.items()}
         for partition, offset in self.continuity.stalled(ends, STALLED_PARTITION_S).items():
-            await consumer.seek(owned[partition], offset)
+            await self._seek(owned[partition], offset)
+
+    async def _seek(self, tp: Any, offset: int) -> None:
+        """Read ``tp`` again from ``offset``, on the consumer's own thread.
+
+        faust's ``Consumer.seek`` calls aiokafka's ``seek`` from the calling thread (this
+        event loop's), and aiokafka's fetcher drops the partition's buffered records
+        there while faust's consumer thread may be draining the same buffer: ``up``
+        crashed twice in nine bench runs with ``KeyError: TopicPartition(...)`` in
+        ``Fetcher.fetched_records`` right after a stalled partition was read again.
+        ``seek_wait`` runs the seek on the consumer thread (``call_thread``)."""
+        await self.app.consumer.seek_wait({tp: offset})
 
     def _ready(self) -> bool:
         recovery = self.app.tables.recovery  # type: ignore[attr-defined]

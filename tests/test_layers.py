@@ -195,3 +195,15 @@ def test_the_store_tables_are_the_migrations_tables() -> None:
         path.read_text() for path in (ROOT / "store" / "migrations").glob("*.sql"))))
     created = {name for name in created if not re.search(r"_v\d{3}$", name)}  # a rebuild's copy
     assert sorted(tables.TABLES) == sorted(created)
+
+
+def test_no_module_seeks_faust_consumers_from_the_event_loop() -> None:
+    """faust's ``Consumer.seek`` runs aiokafka's seek on the calling thread while faust's
+    consumer thread drains the same fetch buffer: ``up`` crashed with ``KeyError:
+    TopicPartition(...)`` in ``Fetcher.fetched_records`` after reading a stalled
+    partition again (processors/app.py ``Processor._seek``). Seeks go through
+    ``seek_wait``, which runs them on the consumer's thread."""
+    found = [f"{module}:{number}" for module, path in sorted(modules(ROOT).items())
+             for number, line in enumerate(path.read_text().splitlines(), start=1)
+             if re.search(r"\bconsumer\.seek\(", line)]
+    assert found == []

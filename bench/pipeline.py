@@ -822,6 +822,35 @@ def _percentile(values: list[float], q: float) -> float:
 
 # -- the whole run ------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def logs_kept_on_failure(root: Path, note: Progress) -> Iterator[None]:
+    """Copy the run's logs (the broker's and every ``up``'s and worker's, same layout)
+    out of ``root`` when the body fails, and name the copy: a bench error names a log
+    under ``root``, which is removed as the error propagates.
+
+    >>> root, keep = Path(tempfile.mkdtemp()), []
+    >>> (root / "w1" / "logs").mkdir(parents=True)
+    >>> _ = (root / "w1" / "logs" / "worker.log").write_text("KeyError")
+    >>> with contextlib.suppress(RuntimeError), logs_kept_on_failure(root, keep.append):
+    ...     raise RuntimeError("the processor crashed")
+    >>> kept = Path(keep[0].rpartition(" ")[2])
+    >>> (kept / "w1" / "logs" / "worker.log").read_text()
+    'KeyError'
+    >>> shutil.rmtree(root); shutil.rmtree(kept)
+    """
+    try:
+        yield
+    except BaseException:
+        kept = Path(tempfile.mkdtemp(prefix="loopwatch-bench-logs-"))
+        for path in [*root.glob("*.log"), *root.glob("*/logs/*")]:
+            target = kept / path.relative_to(root)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(OSError):
+                shutil.copy2(path, target)
+        note(f"the failed run's logs are kept in {kept}")
+        raise
+
+
 def run_bench(events: int, workers: int, query_events: int,
               progress: Progress = lambda _message: None,
               note: Progress | None = None, alert_samples: int = 5,
@@ -837,7 +866,8 @@ def run_bench(events: int, workers: int, query_events: int,
     result["machine"] = machine()
     settings = load_settings()
     topic = settings.events_topic
-    with tempfile.TemporaryDirectory(prefix="loopwatch-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="loopwatch-bench-") as tmp, \
+            logs_kept_on_failure(Path(tmp), note):
         root = Path(tmp)
         with EmbeddedBroker(root / "broker.log") as broker:
             bootstrap = broker.bootstrap

@@ -32,7 +32,7 @@ from loopwatch.store.schema_versions import (
     migrations,
     statements,
 )
-from loopwatch.store.tables import GENERATED_VIEWS
+from loopwatch.store.tables import EVENTS, GENERATED_VIEWS, LABELS, LLM_CALLS, RUNS, TOOL_CALLS
 
 FIXTURE = Path(__file__).parent / "fixtures" / "main_store"
 
@@ -48,7 +48,7 @@ BASELINE_SHA256 = {
 }
 NEW = ["007_ingested_at.sql", "008_minutes.sql", "009_cache_token_names.sql",
        "010_agent_revisions.sql", "011_cache_prefix_hashes.sql",
-       "012_retry_amplification.sql"]
+       "012_retry_amplification.sql", "013_merge_base.sql"]
 #: columns later migrations added (empty for old rows): not main's
 ADDED = {"llm_calls": ("tools_hash", "history_hash")}
 #: tables that gained ingested_at in 007 (events had it)
@@ -128,6 +128,22 @@ def test_a_new_store_applies_each_migration_once_and_records_it(local_store):
     assert apply_migrations(client, settings.database) == []
     assert client.query(f"SELECT count() FROM {settings.database}.{RECORD_TABLE}"
                         ).result_rows == [(len(migrations()),)]
+
+
+def test_the_tables_every_event_writes_merge_ten_parts_at_a_time(local_store):
+    """013: the tables each event writes a row to take ClickHouse's merge selector base
+    10 (fewer, wider merges: docs/performance.md); every other table keeps the default."""
+    settings = _settings(local_store)
+    client = migrate(settings)
+    found = {name: (re.search(r"\bmerge_selector_base = (\d+)", engine) or [None, None])[1]
+             for name, engine in client.query(
+                 "SELECT name, engine_full FROM system.tables WHERE database = {d:String} "
+                 "AND endsWith(engine, 'MergeTree')", parameters={"d": settings.database}
+             ).result_rows}
+    per_event = {EVENTS, LLM_CALLS, TOOL_CALLS, LABELS, RUNS}
+    assert per_event < set(found)
+    assert found == {name: "10" if name in per_event else None for name in found}
+    client.command(f"DROP DATABASE {settings.database}")
 
 
 def test_a_store_made_by_main_is_upgraded_and_keeps_every_row(local_store):

@@ -754,6 +754,16 @@ SELECT
 FROM loopwatch.llm_calls FINAL
 GROUP BY minute, agent, task_type, model, prompt_version, deployment, traffic_slice;
 
+ALTER TABLE loopwatch.events_local ON CLUSTER loopwatch MODIFY SETTING merge_selector_base = 10;
+
+ALTER TABLE loopwatch.llm_calls_local ON CLUSTER loopwatch MODIFY SETTING merge_selector_base = 10;
+
+ALTER TABLE loopwatch.tool_calls_local ON CLUSTER loopwatch MODIFY SETTING merge_selector_base = 10;
+
+ALTER TABLE loopwatch.labels_local ON CLUSTER loopwatch MODIFY SETTING merge_selector_base = 10;
+
+ALTER TABLE loopwatch.runs_local ON CLUSTER loopwatch MODIFY SETTING merge_selector_base = 10;
+
 CREATE TABLE IF NOT EXISTS loopwatch.events_parsed ON CLUSTER loopwatch
 (
     f_agent String,
@@ -1038,7 +1048,7 @@ CREATE TABLE IF NOT EXISTS loopwatch.schema_migrations ON CLUSTER loopwatch
 ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/all/{database}/schema_migrations', '{replica}', applied_at)
 ORDER BY name;
 
-INSERT INTO loopwatch.schema_migrations (name, checksum, applied_at, how) VALUES ('001_tables.sql', 'e3eb8a4006cd5d08606a007182ef47cbc4937cd0bda877df524507ad971a83f8', now64(3), 'cluster.sql'), ('002_metric_views.sql', '9202fdc6febff65a49b7334e231875c16badce7fb29714e8e008eb114c1a6938', now64(3), 'cluster.sql'), ('003_alerts.sql', '37bc19c79eb3199bcb64b0204509850f6121b43f116fb0bf1ec75e7afa8fbc04', now64(3), 'cluster.sql'), ('004_gauges.sql', 'a6963d27e10ec99944d4c6c38dd585655525418ebab2439840cf24d124065cab', now64(3), 'cluster.sql'), ('005_capture.sql', '01a58ad02ece43531633d61c90745016f754a71fda3813c1ee4be3c81ba4d1b2', now64(3), 'cluster.sql'), ('006_events_in.sql', '207a5e23d2e481f2f69a034dde938b1e4d8af2aa25817e02bb091bedf6006573', now64(3), 'cluster.sql'), ('007_ingested_at.sql', '4fdee98e014c8e1b8ddd081c7ad87907e4fc7a9acaf8c99af0cb42764c91da70', now64(3), 'cluster.sql'), ('008_minutes.sql', 'c5b704741a8c658771355756948e57c486dc15cfa21c072e0b5d3c98bc2d3981', now64(3), 'cluster.sql'), ('009_cache_token_names.sql', '47236eb989556b044d00c9dfa42ea4e8eec07c2e20f9fac3870897c9d0cc414f', now64(3), 'cluster.sql'), ('010_agent_revisions.sql', 'dd4660b92beb1fbb182e7054f887c47939364ddcf86cf71a5e011314af5aeafb', now64(3), 'cluster.sql'), ('011_cache_prefix_hashes.sql', '02d34c1be7c223a4cdf0423392b5d623335087594e38a6d1cc6b2ff6d5e1bfb9', now64(3), 'cluster.sql'), ('012_retry_amplification.sql', 'd3309981879906a3c2683c4bca99753cf87d22395a93bd03f815514bc9780f8c', now64(3), 'cluster.sql');
+INSERT INTO loopwatch.schema_migrations (name, checksum, applied_at, how) VALUES ('001_tables.sql', 'e3eb8a4006cd5d08606a007182ef47cbc4937cd0bda877df524507ad971a83f8', now64(3), 'cluster.sql'), ('002_metric_views.sql', '9202fdc6febff65a49b7334e231875c16badce7fb29714e8e008eb114c1a6938', now64(3), 'cluster.sql'), ('003_alerts.sql', '37bc19c79eb3199bcb64b0204509850f6121b43f116fb0bf1ec75e7afa8fbc04', now64(3), 'cluster.sql'), ('004_gauges.sql', 'a6963d27e10ec99944d4c6c38dd585655525418ebab2439840cf24d124065cab', now64(3), 'cluster.sql'), ('005_capture.sql', '01a58ad02ece43531633d61c90745016f754a71fda3813c1ee4be3c81ba4d1b2', now64(3), 'cluster.sql'), ('006_events_in.sql', '207a5e23d2e481f2f69a034dde938b1e4d8af2aa25817e02bb091bedf6006573', now64(3), 'cluster.sql'), ('007_ingested_at.sql', '4fdee98e014c8e1b8ddd081c7ad87907e4fc7a9acaf8c99af0cb42764c91da70', now64(3), 'cluster.sql'), ('008_minutes.sql', 'c5b704741a8c658771355756948e57c486dc15cfa21c072e0b5d3c98bc2d3981', now64(3), 'cluster.sql'), ('009_cache_token_names.sql', '47236eb989556b044d00c9dfa42ea4e8eec07c2e20f9fac3870897c9d0cc414f', now64(3), 'cluster.sql'), ('010_agent_revisions.sql', 'dd4660b92beb1fbb182e7054f887c47939364ddcf86cf71a5e011314af5aeafb', now64(3), 'cluster.sql'), ('011_cache_prefix_hashes.sql', '02d34c1be7c223a4cdf0423392b5d623335087594e38a6d1cc6b2ff6d5e1bfb9', now64(3), 'cluster.sql'), ('012_retry_amplification.sql', 'd3309981879906a3c2683c4bca99753cf87d22395a93bd03f815514bc9780f8c', now64(3), 'cluster.sql'), ('013_merge_base.sql', 'c7e24b382d52150f00b8115c87dbd2a84404f3e6048d8c38785a33a9a0e7f07d', now64(3), 'cluster.sql');
 
 CREATE TABLE IF NOT EXISTS loopwatch.generated_views ON CLUSTER loopwatch
 (

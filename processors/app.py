@@ -552,7 +552,7 @@ class Processor:
         faust's ``Consumer.seek`` calls aiokafka's ``seek`` from the calling thread (this
         event loop's), and aiokafka's fetcher drops the partition's buffered records
         there while faust's consumer thread may be draining the same buffer: ``up``
-        crashed twice in nine bench runs with ``KeyError: TopicPartition(...)`` in
+        crashed in three of ten bench runs with ``KeyError: TopicPartition(...)`` in
         ``Fetcher.fetched_records`` right after a stalled partition was read again.
         ``seek_wait`` runs the seek on the consumer thread (``call_thread``)."""
         await self.app.consumer.seek_wait({tp: offset})

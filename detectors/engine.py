@@ -95,8 +95,7 @@ class DetectorEngine:
         self.book = AlertBook(self._restore(), severity_for=self._severity_for)
         self.last_findings: dict[str, list[Finding]] = {}
         self._series: dict[str, dict[tuple[str, ...], SeriesState]] = {}
-        #: each rule's output columns, and the rules queried alone (detectors/batch.py)
-        self._columns: dict[str, list[str]] = {}
+        #: the rules queried alone (detectors/batch.py)
         self._alone: set[str] = set()
         self._last_sent: dict[str, datetime] = {}
         #: history rows the store refused, oldest first, written with a later pass
@@ -140,7 +139,7 @@ class DetectorEngine:
             now = wall_now if rule.clock == "wall" else event_now
             if now is not None:
                 work.append((rule, self._parameters(rule, now, wall_now)))
-        answers = RuleQueries(self.query, self._columns, self._alone).rows(work)
+        answers = RuleQueries(self.query, self._alone).rows(work)
         for rule, parameters in work:
             now = parameters["now"]
             rows = answers[rule.name]

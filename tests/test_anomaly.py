@@ -163,6 +163,43 @@ def test_ks_unwrapped_gives_scipys_p_values() -> None:
     assert compared == 500 - 109
 
 
+def test_the_detectors_median_and_scale_are_numpys_to_the_last_bit() -> None:
+    """rolling.median and robust_scale skip numpy's wrappers: on windows of every size
+    from 1 to 400, odd and even, with ties (rounded values), flat windows (the mean
+    absolute deviation's branch) and spikes, they give np.median's and np.mean's
+    values exactly; a NaN gives NaN."""
+    from loopwatch.detectors.anomaly.rolling import (
+        MAD_TO_SIGMA,
+        MEAN_AD_TO_SIGMA,
+        TINY_SCALE,
+        median,
+        robust_scale,
+    )
+
+    def numpy_scale(values: np.ndarray, center: float) -> float:
+        deviations = np.abs(values - center)
+        mad = float(np.median(deviations))
+        if mad > 0.0:
+            return MAD_TO_SIGMA * mad
+        mean_ad = float(np.mean(deviations))
+        if mean_ad > 0.0:
+            return MEAN_AD_TO_SIGMA * mean_ad
+        return max(TINY_SCALE, TINY_SCALE * abs(center))
+
+    rng = np.random.default_rng(12)
+    compared = set()
+    for size in range(1, 401):
+        for values in (rng.gamma(2.0, 3.0, size), rng.normal(0, 1, size).round(),
+                       np.concatenate([np.full(size, 7.0), rng.normal(0, 50, size % 3)])):
+            center = float(np.median(values))
+            assert median(values) == center, (size, values)
+            assert robust_scale(values, center) == numpy_scale(values, center), size
+            compared.add(values.size % 2)
+    assert compared == {0, 1}
+    assert math.isnan(median(np.array([1.0, 2.0, float("nan"), 0.5])))
+    assert math.isnan(median(np.array([float("nan")])))
+
+
 def test_seasonal_uses_the_time_of_day() -> None:
     det = SeasonalBaseline()
     for hour in range(24 * 21):

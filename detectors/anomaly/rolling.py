@@ -67,6 +67,29 @@ class SlowBaseline:
         return taken
 
 
+def median(values: FloatArray) -> float:
+    """``np.median`` of a non-empty 1-D array, to the last bit, at a fifth of its cost
+    on the windows detectors hold (5 against 23-29 µs for 8-1000 values): numpy's
+    wrapper (axis handling, NaN check, a ``mean`` of the two middle values) costs far
+    more than the partition itself, and detectors take a median per point scored. A
+    NaN anywhere gives NaN, as numpy does (the partition puts it last).
+
+    >>> median(np.array([3.0, 1.0, 2.0])), median(np.array([4.0, 1.0, 3.0, 2.0]))
+    (2.0, 2.5)
+    >>> median(np.array([1.0, float("nan"), 2.0]))
+    nan
+    """
+    size = values.size
+    half = size >> 1
+    if size & 1:
+        part = np.partition(values, (half, size - 1))
+        middle = float(part[half])
+    else:
+        part = np.partition(values, (half - 1, half, size - 1))
+        middle = (float(part[half - 1]) + float(part[half])) / 2.0
+    return middle if part[-1] == part[-1] else float("nan")
+
+
 def robust_scale(values: FloatArray, center: float) -> float:
     """Sigma from the MAD; from the mean absolute deviation when over half the values tie.
 
@@ -74,10 +97,10 @@ def robust_scale(values: FloatArray, center: float) -> float:
     different value is very surprising and the same value is not at all.
     """
     deviations = np.abs(values - center)
-    mad = float(np.median(deviations))
+    mad = median(deviations)
     if mad > 0.0:
         return MAD_TO_SIGMA * mad
-    mean_ad = float(np.mean(deviations))
+    mean_ad = float(deviations.sum()) / deviations.size  # np.mean's sum, without its wrapper
     if mean_ad > 0.0:
         return MEAN_AD_TO_SIGMA * mean_ad
     return max(TINY_SCALE, TINY_SCALE * abs(center))
@@ -113,10 +136,10 @@ class RollingWindow:
         return np.concatenate((self._buf[self._next :], self._buf[: self._next]))
 
     def median(self) -> float:
-        return float(np.median(self.values()))
+        return median(self.values())
 
     def median_scale(self) -> tuple[float, float]:
         """``(median, robust sigma)`` of the held values; the window must not be empty."""
         values = self.values()
-        center = float(np.median(values))
+        center = median(values)
         return center, robust_scale(values, center)

@@ -10,7 +10,7 @@ import numpy as np
 from scipy.special import stdtr
 
 from loopwatch.detectors.anomaly.base import surprise
-from loopwatch.detectors.anomaly.rolling import MEAN_AD_TO_SIGMA, robust_scale
+from loopwatch.detectors.anomaly.rolling import MEAN_AD_TO_SIGMA, median, robust_scale
 
 WEEK_SECONDS = 7 * 86400
 DAY_SECONDS = 86400
@@ -112,7 +112,7 @@ class SeasonalBaseline:
         result: BucketStats | None = None
         if len(past) >= self.min_count:
             values = np.fromiter(past, dtype=np.float64, count=len(past))
-            center = float(np.median(values))
+            center = median(values)
             floor = self.scale_floor * MEAN_AD_TO_SIGMA * self._spread
             result = BucketStats(center, max(robust_scale(values, center), floor), len(past))
         self._cache = key, result

@@ -64,6 +64,11 @@ CAUGHT_UP_INTERVAL_S = 1.0
 STALLED_PARTITION_S = 5.0
 
 
+#: the folder under the data dir that holds faust's own (one per app id: empty, since
+#: tables live in memory and the changelog)
+FAUST_DIR = "faust"
+
+
 #: the producer's record batches (the state changelog's, ~1 record per run per batch,
 #: see :meth:`TableRunStore.send_changes`) take up to 1 MB, and a request waits up to
 #: 20 ms to fill, instead of faust's 16 KB and no wait: 500k bench events took ~2 µs
@@ -131,8 +136,16 @@ def chunks(messages: list[RawMessage]) -> Iterator[list[RawMessage]]:
 
 def faust_settings(settings: Settings, bootstrap: str) -> dict[str, Any]:
     """The faust app's settings (also those of the fetch bench,
-    :mod:`loopwatch.bench.faust_fetch`, so it measures the processor's own fetch path)."""
+    :mod:`loopwatch.bench.faust_fetch`, so it measures the processor's own fetch path).
+
+    faust makes a folder for its tables when an app first starts, even with the memory
+    store: ``<app id>-data`` in the *current* directory unless ``datadir`` says where.
+    It goes under the data dir (whose ``faust`` folder is made here: faust makes only
+    the last level), so ``loopwatch up`` or ``demo`` leaves nothing where it was run."""
+    parent = settings.data_dir / FAUST_DIR
+    parent.mkdir(parents=True, exist_ok=True)
     return {
+        "datadir": str(parent / "{conf.name}"),
         "broker": ";".join(f"kafka://{host}" for host in bootstrap.split(",")),
         "store": "memory://",
         "web_enabled": False,

@@ -55,3 +55,20 @@ def test_a_processor_whose_faust_app_crashed_is_a_runtime_error(tmp_path) -> Non
     with pytest.raises(ProcessorCrashed, match=r"^the processor crashed \(ValueError: an agent "
                        rf"raised\); see {log_file}$"):
         raise_if_crashed(app, log_file)
+
+
+def test_a_processor_app_leaves_nothing_in_the_working_directory(tmp_path, monkeypatch) -> None:
+    """faust makes ``<app id>-data`` in the current directory at an app's first start
+    unless told where: a real faust app with the processors' settings makes its folder
+    under the data dir, and the directory ``loopwatch up`` was started in stays empty."""
+    from loopwatch.core.config import Settings
+    from loopwatch.processors.app import FAUST_DIR, faust_settings
+
+    started_in = tmp_path / "cwd"
+    started_in.mkdir()
+    monkeypatch.chdir(started_in)
+    settings = Settings(data_dir=tmp_path / "data")
+    app = faust.App("loopwatch-processors", **faust_settings(settings, "127.0.0.1:9"))
+    asyncio.run(app.on_first_start())
+    assert list(started_in.iterdir()) == []
+    assert (settings.data_dir / FAUST_DIR / "loopwatch-processors" / "v1" / "tables").is_dir()

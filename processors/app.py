@@ -30,6 +30,7 @@ import faust
 import orjson
 
 from loopwatch.core.config import Settings
+from loopwatch.ingest.privatefs import private_dir
 from loopwatch.processors.capture_app import register_captures
 from loopwatch.processors.continuity import PartitionContinuity
 from loopwatch.processors.deadletter import DeadLetterRecord
@@ -140,10 +141,10 @@ def faust_settings(settings: Settings, bootstrap: str) -> dict[str, Any]:
 
     faust makes a folder for its tables when an app first starts, even with the memory
     store: ``<app id>-data`` in the *current* directory unless ``datadir`` says where.
-    It goes under the data dir (whose ``faust`` folder is made here: faust makes only
-    the last level), so ``loopwatch up`` or ``demo`` leaves nothing where it was run."""
-    parent = settings.data_dir / FAUST_DIR
-    parent.mkdir(parents=True, exist_ok=True)
+    It goes under the data dir (whose ``faust`` folder is made here, private as every
+    folder loopwatch makes there: faust makes only the last level), so ``loopwatch up``
+    or ``demo`` leaves nothing where it was run."""
+    parent = private_dir(settings.data_dir / FAUST_DIR)
     return {
         "datadir": str(parent / "{conf.name}"),
         "broker": ";".join(f"kafka://{host}" for host in bootstrap.split(",")),

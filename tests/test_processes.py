@@ -72,3 +72,4 @@ def test_a_processor_app_leaves_nothing_in_the_working_directory(tmp_path, monke
     asyncio.run(app.on_first_start())
     assert list(started_in.iterdir()) == []
     assert (settings.data_dir / FAUST_DIR / "loopwatch-processors" / "v1" / "tables").is_dir()
+    assert (settings.data_dir / FAUST_DIR).stat().st_mode & 0o777 == 0o700

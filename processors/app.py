@@ -422,8 +422,10 @@ class Processor:
         ):
             for event in events:
                 event.message.incref()
+            self.continuity.busy()
             events = await self._without_holes(events)
             if not events:
+                self._idle_unless_acking()
                 continue
             messages = [
                 RawMessage(e.message.topic, e.message.partition, e.message.offset,
@@ -433,6 +435,7 @@ class Processor:
             batch = asyncio.ensure_future(self._process_batch(messages))
             acked = asyncio.ensure_future(self._ack_when_stored(stream, events, batch, acked))
             acked.add_done_callback(_report_unstored)
+            acked.add_done_callback(lambda _: self._idle_unless_acking())
             self._last_acked = acked
             try:
                 await asyncio.shield(batch)
@@ -442,6 +445,12 @@ class Processor:
                 raise
             except RetriesStopped:
                 return
+
+    def _idle_unless_acking(self) -> None:
+        """Count the processor idle (for the stall check's quiet time) once the last
+        batch it took is stored: an earlier batch's ack is not the end of its work."""
+        if self._last_acked is None or self._last_acked.done():
+            self.continuity.idle()
 
     async def _without_holes(self, events: list[Any]) -> list[Any]:
         """The taken events up to any hole in their partition's offsets; a partition

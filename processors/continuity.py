@@ -22,6 +22,12 @@ the last envelope of a partition never handed over, the group's lag stuck at 1.
 :meth:`PartitionContinuity.stalled` names the partitions whose end is past the next
 expected offset while none of their messages came for a while (the processor calls it
 when idle) and :class:`loopwatch.processors.app.Processor` reads them again from there.
+"A while" is counted in the processor's idle time only (:meth:`~PartitionContinuity.busy`,
+:meth:`~PartitionContinuity.idle`): while it folds and stores a batch it takes no
+messages, so a batch that took longer than the quiet time made every partition look
+stalled to the first idle check after it, and partitions whose next messages were
+already fetched were read again (the bench saw this under load; the copies are
+counted duplicates, never stored twice).
 
 >>> seen = PartitionContinuity()
 >>> seen.admit([(0, 10), (1, 4), (0, 11)])
@@ -49,6 +55,15 @@ when idle) and :class:`loopwatch.processors.app.Processor` reads them again from
 {}
 >>> tail.stalled({3: 27}, quiet_s=0.0)  # at its end: nothing missing
 {}
+>>> tail.admit([(3, 27)])
+([(3, 27)], {})
+>>> tail.busy(); now[0] += 8.0; tail.idle()  # a batch took 8 s: no message was taken
+>>> now[0] += 1.0
+>>> tail.stalled({3: 30}, quiet_s=5.0)  # 1 s idle, not 9 s quiet
+{}
+>>> now[0] += 4.0
+>>> tail.stalled({3: 30}, quiet_s=5.0)
+{3: 28}
 """
 
 from __future__ import annotations
@@ -75,14 +90,46 @@ class PartitionContinuity:
         self.max_attempts = max_attempts
         self._clock = clock
         self._next: dict[int, int] = {}
-        #: when each partition last handed over a message (or was last read again)
+        #: when each partition last handed over a message (or was last read again), and
+        #: the processor's busy time then (:meth:`busy_seconds`)
         self._moved_at: dict[int, float] = {}
+        self._moved_busy: dict[int, float] = {}
+        #: seconds the processor had a batch in hand, in total, and since when it has one
+        self._busy_s = 0.0
+        self._busy_from: float | None = None
         self._attempts: dict[Position, int] = {}
         #: holes seen (each counted once), and holes given up on after ``max_attempts``
         self.holes_found = 0
         self.holes_accepted = 0
         #: times a partition's end was read again after it stalled
         self.stalls = 0
+
+    def busy(self) -> None:
+        """The processor took a batch: it takes no more messages until it is stored."""
+        if self._busy_from is None:
+            self._busy_from = self._clock()
+
+    def idle(self) -> None:
+        """Every batch the processor took is stored: it is waiting for messages again."""
+        if self._busy_from is not None:
+            self._busy_s += self._clock() - self._busy_from
+            self._busy_from = None
+
+    def busy_seconds(self) -> float:
+        """Seconds the processor has had a batch in hand, in total, up to now."""
+        ongoing = 0.0 if self._busy_from is None else self._clock() - self._busy_from
+        return self._busy_s + ongoing
+
+    def _moved(self, partition: int, now: float) -> None:
+        self._moved_at[partition] = now
+        self._moved_busy[partition] = self.busy_seconds()
+
+    def _quiet_s(self, partition: int, now: float) -> float:
+        """Idle seconds since ``partition`` last moved (0 for one never seen)."""
+        if partition not in self._moved_at:
+            return 0.0
+        busy = self.busy_seconds() - self._moved_busy[partition]
+        return now - self._moved_at[partition] - busy
 
     def admit(self, positions: Iterable[Position]) -> tuple[list[Position], dict[int, int]]:
         """The positions to process now, in order, and ``{partition: offset}`` to read
@@ -111,7 +158,7 @@ class PartitionContinuity:
                           "re-reads; going on without them", partition, expected,
                           offset - 1, attempts)
             self._next[partition] = offset + 1
-            self._moved_at[partition] = now
+            self._moved(partition, now)
             if self._attempts:
                 self._attempts = {hole: n for hole, n in self._attempts.items()
                                   if hole[0] != partition or hole[1] > offset}
@@ -121,14 +168,15 @@ class PartitionContinuity:
     def stalled(self, ends: Mapping[int, int], quiet_s: float) -> dict[int, int]:
         """``{partition: next expected offset}`` for each partition whose end offset
         (``ends``: the next offset the broker will write) is past the next expected
-        one although none of its messages came for ``quiet_s``; each is counted as
-        read again from there, and not named again for another ``quiet_s``."""
+        one although none of its messages came for ``quiet_s`` of the processor's idle
+        time; each is counted as read again from there, and not named again for another
+        ``quiet_s``."""
         now = self._clock()
         stalled = {partition: expected for partition, expected in self._next.items()
                    if ends.get(partition, 0) > expected
-                   and now - self._moved_at.get(partition, now) >= quiet_s}
+                   and self._quiet_s(partition, now) >= quiet_s}
         for partition, expected in stalled.items():
-            self._moved_at[partition] = now
+            self._moved(partition, now)
             self.stalls += 1
             log.warning("events partition %d has messages from %d to %d but none came for "
                         "%.0f s: reading it again from %d", partition, expected,
@@ -141,5 +189,6 @@ class PartitionContinuity:
         for partition in partitions:
             self._next.pop(partition, None)
             self._moved_at.pop(partition, None)
+            self._moved_busy.pop(partition, None)
             self._attempts = {hole: n for hole, n in self._attempts.items()
                               if hole[0] != partition}

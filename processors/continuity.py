@@ -26,8 +26,9 @@ when idle) and :class:`loopwatch.processors.app.Processor` reads them again from
 :meth:`~PartitionContinuity.idle`): while it folds and stores a batch it takes no
 messages, so a batch that took longer than the quiet time made every partition look
 stalled to the first idle check after it, and partitions whose next messages were
-already fetched were read again (the bench saw this under load; the copies are
-counted duplicates, never stored twice).
+already fetched were read again: the likely cause of the re-reads the bench logged
+under load (not reproduced on purpose). The copies were counted duplicates, never
+stored twice.
 
 >>> seen = PartitionContinuity()
 >>> seen.admit([(0, 10), (1, 4), (0, 11)])

@@ -798,21 +798,28 @@ def alert_latencies(up: UpProcess, emitter: Emitter, samples: int,
 
 
 def log_signals(logs: Path) -> str:
-    """What the processor's own log says about stalls: timer overruns and a full
-    changelog producer buffer (faust pauses the stream until it drains)."""
+    """What the processor's own log says about stalls: timer overruns, a full changelog
+    producer buffer (faust pauses the stream until it drains), and partitions read again
+    (a hole, or a partition's end stalled: :mod:`loopwatch.processors.continuity`),
+    whose copies count as duplicates. The logs go with a successful run's folder: this
+    line is where a run shows them."""
     sweeps: list[float] = []
     commits: list[float] = []
     buffer_full = 0
+    reread = 0
     for path in logs.glob("worker*.log"):
         for line in path.read_text(errors="replace").splitlines():
             if "producer buffer full" in line:
                 buffer_full += 1
+            elif "reading it again from" in line:
+                reread += 1
             elif "is overlapping" in line and "runtime=" in line:
                 runtime = float(line.rsplit("runtime=", 1)[1].split(")")[0])
                 (sweeps if "sweep-runs" in line else commits).append(runtime)
     return (f"log: sweep-runs timer overran {len(sweeps)}x (max {max(sweeps, default=0):.1f}s, "
             f"sum {sum(sweeps):.1f}s), commit timer overran {len(commits)}x (max "
-            f"{max(commits, default=0):.1f}s), 'producer buffer full' {buffer_full}x")
+            f"{max(commits, default=0):.1f}s), 'producer buffer full' {buffer_full}x, "
+            f"partitions read again {reread}x")
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -1012,6 +1019,7 @@ def run_bench(events: int, workers: int, query_events: int,
                      f"{rounds('worker')} B. The `up` child, which also hosts chdb and its "
                      f"share of the rows: {growth['up']['slope']:.0f} B ({rounds('up')} B)")
                 latencies = alert_latencies(up, emitter, alert_samples)
+            note("memory and alert phase " + log_signals(root / "alerts" / "logs"))
             if latencies:
                 result["alert_latency_p50_s"] = statistics.median(latencies)
                 result["alert_latency_p95_s"] = _percentile(latencies, 0.95)

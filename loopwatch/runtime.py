@@ -563,6 +563,7 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
             outbox = detectors.outbox
             return {"counters": vars(processor.pipeline.counters),
                     "sink_failures": processor.sink.failures,
+                    "rereads": processor.continuity.counts(),
                     **processor.kafka_write_counters(),
                     "caught_up": processor.caught_up(),
                     "alerts_open": len(detectors.book.open),

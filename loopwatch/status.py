@@ -58,6 +58,7 @@ def gather(settings: Settings) -> dict[str, Any]:
         "counters": health.get("counters", {}),
         "store_retries": health.get("sink_failures"),
         "broker_retries": health.get("kafka_write_retries"),
+        "rereads": health.get("rereads", {}),
         "dead_letters": {"total": int(total), "not_replayed": int(pending)},
         "alerts_firing": firing,
     }
@@ -81,7 +82,8 @@ def lines(status: dict[str, Any]) -> list[str]:
         f"web view: not part of up: `loopwatch serve --data-dir {status['data_dir']}`",
         f"processors: {behind}; events {counters.get('events', 0)}, runs closed "
         f"{counters.get('runs_closed', 0)}, store retries {status['store_retries']}, "
-        f"broker retries {status['broker_retries']}",
+        f"broker retries {status['broker_retries']}, partitions read again "
+        f"{sum(status['rereads'].get(kind, 0) for kind in ('holes', 'stalls'))}",
         f"dead letters: {status['dead_letters']['total']} "
         f"({status['dead_letters']['not_replayed']} not replayed)",
         f"alerts firing: {len(status['alerts_firing'])}",

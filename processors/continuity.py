@@ -105,6 +105,12 @@ class PartitionContinuity:
         #: times a partition's end was read again after it stalled
         self.stalls = 0
 
+    def counts(self) -> dict[str, int]:
+        """What was read again, for the processor's status: holes found (each once),
+        holes given up on, and partitions read again at their end after a stall."""
+        return {"holes": self.holes_found, "holes_accepted": self.holes_accepted,
+                "stalls": self.stalls}
+
     def busy(self) -> None:
         """The processor took a batch: it takes no more messages until it is stored."""
         if self._busy_from is None:

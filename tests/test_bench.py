@@ -126,3 +126,32 @@ def test_store_path_bench_smoke_stores_the_same_tables_both_ways() -> None:
     for name in ("python_rows", "views"):
         assert figures["alternatives"][name]["us_per_event"] > 0
         assert figures["alternatives"][name]["bytes_per_event"] > 0
+
+
+def test_the_log_line_counts_each_partition_read_again(tmp_path) -> None:
+    """A successful bench removes the processors' logs with its folder: its log line is
+    where re-reads show, each logged one (a hole, a stalled end) counted once."""
+    import logging
+
+    from loopwatch.bench.pipeline import log_signals
+    from loopwatch.processors.continuity import PartitionContinuity
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    handler = logging.FileHandler(logs / "worker.log")
+    logger = logging.getLogger("loopwatch.processors.continuity")
+    logger.addHandler(handler)
+    try:
+        now = [0.0]
+        seen = PartitionContinuity(clock=lambda: now[0])
+        seen.admit([(0, 1), (0, 3)])  # a hole at 2
+        seen.admit([(1, 5)])
+        now[0] += 6.0
+        seen.stalled({1: 9}, quiet_s=5.0)  # partition 1's end
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+    (logs / "worker-2.log").write_text("faust: producer buffer full, size 7\n")
+    assert log_signals(logs) == (
+        "log: sweep-runs timer overran 0x (max 0.0s, sum 0.0s), commit timer overran 0x "
+        "(max 0.0s), 'producer buffer full' 1x, partitions read again 2x")

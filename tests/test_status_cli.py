@@ -51,6 +51,7 @@ def test_status_names_the_running_ups_parts_and_counts(tmp_path):
         assert status["embedded_broker"] is True
         assert status["counters"]["events"] == 3
         assert status["dead_letters"] == {"total": 0, "not_replayed": 0}
+        assert status["rereads"] == {"holes": 0, "holes_accepted": 0, "stalls": 0}
         assert status["alerts_firing"] == []
         shown = loopwatch("status", env={**env, "COLUMNS": "200"})
         assert shown.returncode == 0, shown.stderr
@@ -58,6 +59,9 @@ def test_status_names_the_running_ups_parts_and_counts(tmp_path):
         assert lines[0] == f"up: running, pid {up.process.pid}, data dir {data_dir.resolve()}"
         assert f"OTLP/HTTP: {up.info['otlp_url']}/v1/traces" in lines
         assert "dead letters: 0 (0 not replayed)" in lines
+        (processors,) = [line for line in lines if line.startswith("processors:")]
+        assert processors.endswith("; events 3, runs closed 1, store retries 0, "
+                                   "broker retries 0, partitions read again 0"), processors
         assert lines[-1] == "alerts firing: 0"
     finally:
         up.stop(timeout_s=120)

@@ -22,13 +22,14 @@ the last envelope of a partition never handed over, the group's lag stuck at 1.
 :meth:`PartitionContinuity.stalled` names the partitions whose end is past the next
 expected offset while none of their messages came for a while (the processor calls it
 when idle) and :class:`loopwatch.processors.app.Processor` reads them again from there.
-"A while" is counted in the processor's idle time only (:meth:`~PartitionContinuity.busy`,
-:meth:`~PartitionContinuity.idle`): while it folds and stores a batch it takes no
-messages, so a batch that took longer than the quiet time made every partition look
-stalled to the first idle check after it, and partitions whose next messages were
-already fetched were read again: the likely cause of the re-reads the bench logged
-under load (not reproduced on purpose). The copies were counted duplicates, never
-stored twice.
+"A while" is counted from the first check that saw the partition's messages waiting,
+and in the processor's idle time only (:meth:`~PartitionContinuity.busy`,
+:meth:`~PartitionContinuity.idle`). Counted from the partition's last message, and
+in wall time, it named partitions whose next messages were merely on their way: the
+first message after a quiet spell of 5 s (the bench's alert phase: 4 of its 5 sample
+runs were read again, 21 duplicates each), and every partition with messages waiting
+after a batch that took more than 5 s to fold and store, during which the processor
+takes none. The copies were counted duplicates, never stored twice.
 
 >>> seen = PartitionContinuity()
 >>> seen.admit([(0, 10), (1, 4), (0, 11)])
@@ -58,11 +59,14 @@ stored twice.
 {}
 >>> tail.admit([(3, 27)])
 ([(3, 27)], {})
->>> tail.busy(); now[0] += 8.0; tail.idle()  # a batch took 8 s: no message was taken
->>> now[0] += 1.0
->>> tail.stalled({3: 30}, quiet_s=5.0)  # 1 s idle, not 9 s quiet
+>>> now[0] += 60.0  # a quiet minute, then 28..29 are written
+>>> tail.stalled({3: 30}, quiet_s=5.0)  # on their way: waiting from now on
 {}
+>>> tail.busy(); now[0] += 8.0; tail.idle()  # a batch took 8 s: no message was taken
 >>> now[0] += 4.0
+>>> tail.stalled({3: 30}, quiet_s=5.0)  # 4 s idle, not 12 s quiet
+{}
+>>> now[0] += 1.0
 >>> tail.stalled({3: 30}, quiet_s=5.0)
 {3: 28}
 """
@@ -91,10 +95,9 @@ class PartitionContinuity:
         self.max_attempts = max_attempts
         self._clock = clock
         self._next: dict[int, int] = {}
-        #: when each partition last handed over a message (or was last read again), and
-        #: the processor's busy time then (:meth:`busy_seconds`)
-        self._moved_at: dict[int, float] = {}
-        self._moved_busy: dict[int, float] = {}
+        #: since when (the clock, and the processor's :meth:`busy_seconds`) each partition
+        #: has been seen with messages past its next expected offset
+        self._waiting: dict[int, tuple[float, float]] = {}
         #: seconds the processor had a batch in hand, in total, and since when it has one
         self._busy_s = 0.0
         self._busy_from: float | None = None
@@ -127,23 +130,11 @@ class PartitionContinuity:
         ongoing = 0.0 if self._busy_from is None else self._clock() - self._busy_from
         return self._busy_s + ongoing
 
-    def _moved(self, partition: int, now: float) -> None:
-        self._moved_at[partition] = now
-        self._moved_busy[partition] = self.busy_seconds()
-
-    def _quiet_s(self, partition: int, now: float) -> float:
-        """Idle seconds since ``partition`` last moved (0 for one never seen)."""
-        if partition not in self._moved_at:
-            return 0.0
-        busy = self.busy_seconds() - self._moved_busy[partition]
-        return now - self._moved_at[partition] - busy
-
     def admit(self, positions: Iterable[Position]) -> tuple[list[Position], dict[int, int]]:
         """The positions to process now, in order, and ``{partition: offset}`` to read
         again from. A partition with a hole has none of its later positions admitted."""
         admitted: list[Position] = []
         reread: dict[int, int] = {}
-        now = self._clock()
         for partition, offset in positions:
             if partition in reread:
                 continue
@@ -165,7 +156,7 @@ class PartitionContinuity:
                           "re-reads; going on without them", partition, expected,
                           offset - 1, attempts)
             self._next[partition] = offset + 1
-            self._moved(partition, now)
+            self._waiting.pop(partition, None)
             if self._attempts:
                 self._attempts = {hole: n for hole, n in self._attempts.items()
                                   if hole[0] != partition or hole[1] > offset}
@@ -174,16 +165,24 @@ class PartitionContinuity:
 
     def stalled(self, ends: Mapping[int, int], quiet_s: float) -> dict[int, int]:
         """``{partition: next expected offset}`` for each partition whose end offset
-        (``ends``: the next offset the broker will write) is past the next expected
-        one although none of its messages came for ``quiet_s`` of the processor's idle
-        time; each is counted as read again from there, and not named again for another
-        ``quiet_s``."""
+        (``ends``: the next offset the broker will write) has been past the next
+        expected one, with none of those messages coming, for ``quiet_s`` of the
+        processor's idle time, counted from the first call that saw them waiting (a
+        message just written is still on its way: counting from the partition's last
+        message instead named every message that came after a quiet spell); each is
+        counted as read again from there, and not named again for another ``quiet_s``."""
         now = self._clock()
-        stalled = {partition: expected for partition, expected in self._next.items()
-                   if ends.get(partition, 0) > expected
-                   and self._quiet_s(partition, now) >= quiet_s}
+        busy = self.busy_seconds()
+        stalled: dict[int, int] = {}
+        for partition, expected in self._next.items():
+            if ends.get(partition, 0) <= expected:
+                self._waiting.pop(partition, None)
+                continue
+            since, busy_then = self._waiting.setdefault(partition, (now, busy))
+            if (now - since) - (busy - busy_then) >= quiet_s:
+                stalled[partition] = expected
         for partition, expected in stalled.items():
-            self._moved(partition, now)
+            self._waiting[partition] = (now, busy)
             self.stalls += 1
             log.warning("events partition %d has messages from %d to %d but none came for "
                         "%.0f s: reading it again from %d", partition, expected,
@@ -195,7 +194,6 @@ class PartitionContinuity:
         group's committed offset, which may be past what was seen here."""
         for partition in partitions:
             self._next.pop(partition, None)
-            self._moved_at.pop(partition, None)
-            self._moved_busy.pop(partition, None)
+            self._waiting.pop(partition, None)
             self._attempts = {hole: n for hole, n in self._attempts.items()
                               if hole[0] != partition}

@@ -146,8 +146,9 @@ def test_the_log_line_counts_each_partition_read_again(tmp_path) -> None:
         seen = PartitionContinuity(clock=lambda: now[0])
         seen.admit([(0, 1), (0, 3)])  # a hole at 2
         seen.admit([(1, 5)])
+        seen.stalled({1: 9}, quiet_s=5.0)  # 6..8 seen waiting
         now[0] += 6.0
-        seen.stalled({1: 9}, quiet_s=5.0)  # partition 1's end
+        seen.stalled({1: 9}, quiet_s=5.0)  # still waiting: partition 1's end
     finally:
         logger.removeHandler(handler)
         handler.close()

@@ -446,10 +446,15 @@ class Processor:
             except RetriesStopped:
                 return
 
+    def _all_acked(self) -> bool:
+        """Whether every batch taken is stored and acknowledged: the processor waits for
+        messages (an earlier batch's ack is not the end of its work)."""
+        return self._last_acked is None or self._last_acked.done()
+
     def _idle_unless_acking(self) -> None:
         """Count the processor idle (for the stall check's quiet time) once the last
-        batch it took is stored: an earlier batch's ack is not the end of its work."""
-        if self._last_acked is None or self._last_acked.done():
+        batch it took is stored."""
+        if self._all_acked():
             self.continuity.idle()
 
     async def _without_holes(self, events: list[Any]) -> list[Any]:
@@ -560,7 +565,7 @@ class Processor:
         messages past the next expected offset, none of which came for
         ``STALLED_PARTITION_S``, reads it again from there: a hole at a partition's
         end (:mod:`loopwatch.processors.continuity`)."""
-        if not self._ready() or (self._last_acked is not None and not self._last_acked.done()):
+        if not self._ready() or not self._all_acked():
             return
         consumer = self.app.consumer
         owned = {tp.partition: tp for tp in self.app.assignor.assigned_actives()

@@ -86,6 +86,7 @@ from loopwatch.bench.open_run_heap import heap_per_open_run, open_run_starts
 from loopwatch.core.config import load_settings
 from loopwatch.core.embedded.broker import EmbeddedBroker
 from loopwatch.core.processes import terminate
+from loopwatch.core.threads import FOLD_THREAD_NAME
 from loopwatch.core.topics import LagProbe, ensure_topics
 from loopwatch.ingest.events import EventBase, RunStart, Step
 from loopwatch.ingest.sdk import Emitter
@@ -188,6 +189,8 @@ def waiting_for_core_s(pid: int) -> float:
 #: calling thread, and an insert that feeds a materialized view (``events_in``'s) renames
 #: it ``Unknown``; in ``loopwatch up`` only the sink thread inserts through that view
 RENAMED_BY_CHDB = {"Unknown": "sink thread"}
+#: threads ``up`` names itself (:data:`loopwatch.processors.app.FOLD_THREAD_NAME`)
+NAMED_BY_UP = {FOLD_THREAD_NAME: "fold thread"}
 
 
 def thread_kind(tid: int, name: str, pid: int, main_name: str) -> str:
@@ -206,6 +209,8 @@ def thread_kind(tid: int, name: str, pid: int, main_name: str) -> str:
         return "other Python threads"
     if name in RENAMED_BY_CHDB:
         return RENAMED_BY_CHDB[name]
+    if name in NAMED_BY_UP:
+        return NAMED_BY_UP[name]
     return name.rstrip("0123456789") or name
 
 
@@ -258,7 +263,7 @@ def threads_note(used: dict[str, float]) -> str:
 
 #: the thread kinds that run the processors' own Python; every other thread of ``up``
 #: stores (the sink thread, which encodes rows and calls chdb, and chdb's own threads)
-PYTHON_KINDS = frozenset({"main thread", "other Python threads"})
+PYTHON_KINDS = frozenset({"main thread", "fold thread", "other Python threads"})
 
 
 def cpu_budget(used: dict[str, float], broker_us: float, raw_rate: float,

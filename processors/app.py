@@ -4,7 +4,8 @@ One agent consumes the events topic in batches (``take_events``). For each batch
 decode and fold into run state (the ``runs`` table, changelogged), write the rows to
 ClickHouse and the changed states to the changelog, publish dead letters, and only
 once all of them were accepted let faust ack the batch's messages (each carries an
-extra reference until then, so the next batch can fold meanwhile). faust commits
+extra reference until then, so the next batch can fold meanwhile). The fold runs on
+a thread of its own, so faust gathers the next batch while one folds. faust commits
 acked offsets, so the state changelog is always at least as new as the committed
 offsets; redelivered events are recognised by ``event_id`` in the run state and by
 ClickHouse's dedup keys.
@@ -24,12 +25,13 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import faust
 import orjson
 
 from loopwatch.core.config import Settings
+from loopwatch.core.threads import FOLD_THREAD_NAME, name_os_thread
 from loopwatch.ingest.privatefs import private_dir
 from loopwatch.processors.capture_app import register_captures
 from loopwatch.processors.continuity import PartitionContinuity
@@ -41,6 +43,7 @@ from loopwatch.processors.runs import RunState
 from loopwatch.store.sink import RetriesStopped, RetryingSink, RowBatch, Sink
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 #: a chunk of a taken batch is folded and its raw events (``events_in`` rows) written
 #: together: about this many bytes of messages, each counted as its size plus
@@ -139,6 +142,10 @@ def faust_settings(settings: Settings, bootstrap: str) -> dict[str, Any]:
     """The faust app's settings (also those of the fetch bench,
     :mod:`loopwatch.bench.faust_fetch`, so it measures the processor's own fetch path).
 
+    faust's stream buffer holds at most a batch of messages (faust's default is 4096):
+    the event loop is free while a batch folds (:class:`Processor`), and faust's consumer
+    fills that buffer meanwhile, on top of the batch folding and the one being gathered.
+
     faust makes a folder for its tables when an app first starts, even with the memory
     store: ``<app id>-data`` in the *current* directory unless ``datadir`` says where.
     It goes under the data dir (whose ``faust`` folder is made here, private as every
@@ -164,6 +171,7 @@ def faust_settings(settings: Settings, bootstrap: str) -> dict[str, Any]:
         "producer_max_batch_size": CHANGELOG_BATCH_BYTES,
         "producer_linger_ms": CHANGELOG_LINGER_MS,
         "consumer_max_fetch_size": max(settings.max_message_bytes * 2, 4_194_304),
+        "stream_buffer_maxsize": settings.batch_max_events,
     }
 
 
@@ -334,8 +342,45 @@ def _without_payload(letter: DeadLetterRecord, exc: BaseException
     return smaller
 
 
+class BatchFold:
+    """One batch's fold, chunk by chunk, on the fold thread: which rows each chunk's
+    write carries (:meth:`Processor._process_batch` says why), and the run state
+    changes made up to it, taken where they were made so that no other write can take
+    them before the chunk's rows are queued."""
+
+    def __init__(self, pipeline: Pipeline, store: TableRunStore, settle_max_runs: int
+                 ) -> None:
+        self._pipeline = pipeline
+        self._store = store
+        self._settle_max_runs = settle_max_runs
+        self._touched: dict[str, RunState] = {}
+        self._deferred = RowBatch()
+
+    def chunk(self, messages: list[RawMessage], last: bool
+              ) -> tuple[Work, dict[bytes, tuple[int, bytes | None]]]:
+        """Fold ``messages``; the chunk's write and the state changes that go with it."""
+        work = self._pipeline.fold(messages, self._touched)
+        if not last:
+            self._deferred.extend(work.rows.take_all_but(STREAMED_TABLE))
+        if last or len(self._touched) >= self._settle_max_runs \
+                or len(self._deferred) >= DEFERRED_MAX_ROWS:
+            work.rows.extend(self._pipeline.settle(self._touched).rows)
+            work.rows.extend(self._deferred)
+            self._touched, self._deferred = {}, RowBatch()
+        return work, self._store.take_changes()
+
+
 class Processor:
-    """Builds the faust app around a pipeline and a sink; owns nothing else."""
+    """Builds the faust app around a pipeline and a sink; owns nothing else.
+
+    Two threads besides the event loop: the fold thread, where everything that reads
+    or changes run state runs (a batch's fold, the sweep, adopting runs from the
+    store), one job at a time; and the sink thread, which inserts. The event loop
+    stays free while a batch folds, so faust's consumer hands over the next batch
+    meanwhile: folded on the loop, every batch but the first waited for its messages
+    once the fold before it was over (``take_events`` timing out at
+    ``batch_max_wait_s`` with 290-390 of 500 messages, a fifth of the bench's window).
+    """
 
     def __init__(
         self,
@@ -356,6 +401,9 @@ class Processor:
         self.sink = RetryingSink(sink, settings.sink_retry_s)
         self._open_runs = open_runs
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sink")
+        self._folder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fold",
+                                          initializer=name_os_thread,
+                                          initargs=(FOLD_THREAD_NAME,))
         self._in_flight: deque[asyncio.Future[None]] = deque()
         self._last_write: asyncio.Future[None] | None = None
         self._adopted_for: frozenset[int] | None = None
@@ -399,52 +447,58 @@ class Processor:
         """Fold and write taken batches, acking each batch's events only once its
         writes were accepted.
 
-        A batch is folded in chunks of about ``CHUNK_BYTES`` (a message may be an
-        envelope of hundreds of events), each chunk's rows written while the next
-        folds (up to ``WRITES_IN_FLIGHT`` writes queued). The loop body returns once
-        the batch's last write is *queued*, so the next batch folds while it runs: faust
-        acks a batch when the body returns, and every message therefore carries one
-        extra reference (``incref``) that :meth:`_ack_when_stored` drops after the
+        A batch is folded on the fold thread in chunks of about ``CHUNK_BYTES`` (a
+        message may be an envelope of hundreds of events), each chunk's rows written
+        while the next folds (up to ``WRITES_IN_FLIGHT`` writes queued). The loop body
+        returns once the batch's fold has *started* (and the batch before it is folded
+        and its writes queued), so faust gathers the next batch while this one folds:
+        faust acks a batch when the body returns, and every message therefore carries
+        one extra reference (``incref``) that :meth:`_ack_when_stored` drops after the
         batch's writes, in batch order. Offsets are committed only for acked messages.
 
         faust also acks a taken batch when the loop body is interrupted (its
         ``finally``), e.g. when the agent is cancelled on stop; the extra reference
         keeps such a batch's offsets uncommitted too, and a cancellation waits for the
-        batch and its writes, so it is acked with its events and runs stored, unless
-        a write fails once the processor stops retrying (:meth:`stop_retrying`): then
-        it and every later batch stay unacked.
+        batches folding and their writes, so they are acked with their events and runs
+        stored, unless a write fails once the processor stops retrying
+        (:meth:`stop_retrying`): then it and every later batch stay unacked. A batch
+        taken but not yet folding when the cancellation came stays unacked.
         """
         tune_gc()
         acked: asyncio.Future[None] | None = None
+        folding: asyncio.Future[list[asyncio.Future[None]]] | None = None
         self._last_acked = None
-        async for events in stream.take_events(
-            self.settings.batch_max_events, within=self.settings.batch_max_wait_s
-        ):
-            for event in events:
-                event.message.incref()
-            self.continuity.busy()
-            events = await self._without_holes(events)
-            if not events:
-                self._idle_unless_acking()
-                continue
-            messages = [
-                RawMessage(e.message.topic, e.message.partition, e.message.offset,
-                           e.message.value)
-                for e in events
-            ]
-            batch = asyncio.ensure_future(self._process_batch(messages))
-            acked = asyncio.ensure_future(self._ack_when_stored(stream, events, batch, acked))
-            acked.add_done_callback(_report_unstored)
-            acked.add_done_callback(lambda _: self._idle_unless_acking())
-            self._last_acked = acked
-            try:
-                await asyncio.shield(batch)
-            except asyncio.CancelledError:
+        try:
+            async for events in stream.take_events(
+                self.settings.batch_max_events, within=self.settings.batch_max_wait_s
+            ):
+                for event in events:
+                    event.message.incref()
+                self.continuity.busy()
+                events = await self._without_holes(events)
+                if not events:
+                    self._idle_unless_acking()
+                    continue
+                messages = [
+                    RawMessage(e.message.topic, e.message.partition, e.message.offset,
+                               e.message.value)
+                    for e in events
+                ]
+                if folding is not None:  # one batch folds while the next is gathered
+                    await asyncio.shield(folding)
+                folding = asyncio.ensure_future(self._process_batch(messages))
+                acked = asyncio.ensure_future(
+                    self._ack_when_stored(stream, events, folding, acked))
+                acked.add_done_callback(_report_unstored)
+                acked.add_done_callback(lambda _: self._idle_unless_acking())
+                self._last_acked = acked
+        except asyncio.CancelledError:
+            if acked is not None:
                 with contextlib.suppress(RetriesStopped):
                     await acked
-                raise
-            except RetriesStopped:
-                return
+            raise
+        except RetriesStopped:
+            return
 
     def _all_acked(self) -> bool:
         """Whether every batch taken is stored and acknowledged: the processor waits for
@@ -495,7 +549,7 @@ class Processor:
 
     async def _process_batch(self, messages: list[RawMessage]
                              ) -> list[asyncio.Future[None]]:
-        """Fold a batch and queue its writes; returns their futures.
+        """Fold a batch on the fold thread and queue its writes; returns their futures.
 
         Each chunk's raw events are written while the next chunk folds; the
         other tables' rows wait for the batch's last write (one insert per table per
@@ -504,34 +558,29 @@ class Processor:
         so a reader who sees a batch's last events sees its runs and calls too. Once
         ``settle_max_runs`` runs or ``DEFERRED_MAX_ROWS`` rows wait, they go with the
         chunk that reached the limit, which bounds a batch's memory as chunks do."""
-        self._adopt_before_folding()
-        touched: dict[str, RunState] = {}
-        deferred = RowBatch()
+        await self._in_fold_thread(self._adopt_before_folding)
+        fold = BatchFold(self.pipeline, self.store, self.settings.settle_max_runs)
         batch_chunks = list(chunks(messages))
         writes: list[asyncio.Future[None]] = []
-        for chunk in batch_chunks[:-1]:
-            work = self.pipeline.fold(chunk, touched)
-            deferred.extend(work.rows.take_all_but(STREAMED_TABLE))
-            if len(touched) >= self.settings.settle_max_runs \
-                    or len(deferred) >= DEFERRED_MAX_ROWS:
-                work.rows.extend(self.pipeline.settle(touched).rows)
-                work.rows.extend(deferred)
-                touched, deferred = {}, RowBatch()
-            writes.append(await self._queue_write(work))
-        last = self.pipeline.fold(batch_chunks[-1], touched) if batch_chunks else Work()
-        last.rows.extend(self.pipeline.settle(touched).rows)
-        last.rows.extend(deferred)
-        writes.append(await self._queue_write(last))
+        for index, chunk in enumerate(batch_chunks):
+            work, changes = await self._in_fold_thread(
+                fold.chunk, chunk, index == len(batch_chunks) - 1)
+            writes.append(await self._queue_write(work, changes))
         return writes
 
-    async def _queue_write(self, work: Work) -> asyncio.Future[None]:
+    async def _in_fold_thread(self, job: Callable[..., _T], *args: Any) -> _T:
+        """Run ``job`` on the fold thread (see the class), after the jobs before it."""
+        return await asyncio.get_running_loop().run_in_executor(self._folder, job, *args)
+
+    async def _queue_write(self, work: Work, changes: dict[bytes, tuple[int, bytes | None]]
+                           ) -> asyncio.Future[None]:
         """Start writing ``work`` once fewer than ``WRITES_IN_FLIGHT`` inserts are
         queued (bounding the rows held in memory), and return the write's future. The
         bound is on inserts, not whole writes: a write's changelog records follow its
         insert (:meth:`_finish_write`), and waiting for them too kept the fold idle."""
         while len(self._in_flight) >= WRITES_IN_FLIGHT:
             await self._in_flight.popleft()
-        write, inserted = self._start_write(work)
+        write, inserted = self._start_write(work, changes)
         self._in_flight.append(inserted)
         return write
 
@@ -543,13 +592,17 @@ class Processor:
         try:
             if not self._ready():
                 return
-            self._adopt_open_runs()
-            await self._write(self.pipeline.sweep())
+            await self._write(*await self._in_fold_thread(self._sweep_states))
         except RetriesStopped:
             log.warning("stopping with a sweep not stored; it is redone after a restart")
         except Exception:
             log.exception("the sweep failed; trying again in %.1f s",
                           self.settings.sweep_interval_s)
+
+    def _sweep_states(self) -> tuple[Work, dict[bytes, tuple[int, bytes | None]]]:
+        """The sweep's part on the fold thread: adopt, sweep, take the changes made."""
+        self._adopt_open_runs()
+        return self.pipeline.sweep(), self.store.take_changes()
 
     async def _refresh_caught_up(self) -> None:
         """The timer behind :meth:`caught_up`, apart from the sweep, whose pass waits
@@ -618,25 +671,29 @@ class Processor:
         if adopted:
             log.info("rebuilt %d open runs from the store", adopted)
 
-    async def _write(self, work: Work) -> None:
-        write, _ = self._start_write(work)
+    async def _write(self, work: Work,
+                     changes: dict[bytes, tuple[int, bytes | None]] | None = None) -> None:
+        """Write ``work`` and the run state ``changes`` made with it (the fold thread
+        takes them; other stages, e.g. the captures', change no run state)."""
+        write, _ = self._start_write(work, changes or {})
         await write
 
-    def _start_write(self, work: Work) -> tuple[asyncio.Future[None], asyncio.Future[None]]:
+    def _start_write(self, work: Work, changes: dict[bytes, tuple[int, bytes | None]]
+                     ) -> tuple[asyncio.Future[None], asyncio.Future[None]]:
         """Hand the rows to the sink thread now, and return the futures of the whole
-        write (rows accepted, state changes on the changelog, dead letters published)
+        write (rows accepted, ``changes`` on the changelog, dead letters published)
         and of its insert (the write's, if it has no rows).
 
         The rows are submitted before this returns, not when the event loop next runs
-        a task: the caller folds the next chunk synchronously, and a write wrapped in a
-        task did not start until that fold was over, so fold and insert ran one after
-        the other (an insert's ~13 µs per event added to the fold's ~16)."""
+        a task: a write wrapped in a task started only once the loop was free again,
+        which, when the fold ran on the loop, meant after the next chunk's fold (an
+        insert's ~13 µs per event added to the fold's ~16)."""
         rows_accepted = None
         if len(work.rows):
             rows_accepted = asyncio.get_running_loop().run_in_executor(
                 self._writer, self.sink.write_batch, work.rows)
         write = asyncio.ensure_future(self._finish_write(
-            work, rows_accepted, self.store.take_changes(), self._last_write))
+            work, rows_accepted, changes, self._last_write))
         self._last_write = write
         return write, rows_accepted or write
 

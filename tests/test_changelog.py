@@ -19,6 +19,7 @@ import pytest
 from loopwatch.bench.pipeline import read_topic
 from loopwatch.core.config import Settings
 from loopwatch.core.embedded.broker import EmbeddedBroker
+from loopwatch.core.threads import FOLD_THREAD_NAME, os_thread_name
 from loopwatch.ingest.events import Step
 from loopwatch.ingest.sdk import Emitter, RunContext
 from loopwatch.ingest.wire import encode_event
@@ -135,7 +136,8 @@ def test_a_sweep_pass_that_cannot_reach_the_store_is_logged_and_tried_again(
     service does not answer (a socket nothing listens on: a real refused connection)
     cannot read the open runs it would adopt after an assignment: each pass logs that
     and returns, and the next pass asks again. No faust worker runs here, so the test
-    says the table is recovered and which partitions the worker was assigned."""
+    says the table is recovered and which partitions the worker was assigned. Each pass
+    reads on the fold thread, with the batches' folds, not on the event loop."""
     gone = tmp_path / "service.sock"  # left by an owner that was killed
     socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).bind(str(gone))
     unreachable = ServiceReader(f"unix:{gone}")
@@ -143,7 +145,7 @@ def test_a_sweep_pass_that_cannot_reach_the_store_is_logged_and_tried_again(
     asked: list[int] = []
 
     def counted_open_runs() -> list[RunState]:
-        asked.append(len(asked))
+        asked.append(os_thread_name())
         return open_runs()
 
     processor = Processor(Settings(data_dir=tmp_path), "127.0.0.1:1", _Discard(),
@@ -153,7 +155,7 @@ def test_a_sweep_pass_that_cannot_reach_the_store_is_logged_and_tried_again(
     with caplog.at_level(logging.ERROR, logger="loopwatch.processors.app"):
         for _ in range(2):
             asyncio.run(processor._sweep())
-    assert asked == [0, 1]
+    assert asked == [FOLD_THREAD_NAME] * 2  # where every read and change of run state runs
     failures = [record for record in caplog.records
                 if record.getMessage().startswith("the sweep failed")]
     assert len(failures) == 2

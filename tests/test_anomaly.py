@@ -181,6 +181,22 @@ def test_ks_p_values_once_per_statistic_are_scipys_to_the_last_bit() -> None:
     assert len(ks._P_BY_STATISTIC) < 600
 
 
+def test_the_ks_memo_is_emptied_when_full(monkeypatch) -> None:
+    """New series keep adding keys while they warm up: the memo stays within
+    MEMO_MAX entries, and p-values stay scipy's across the emptying."""
+    from loopwatch.detectors.anomaly import ks
+
+    monkeypatch.setattr(ks, "MEMO_MAX", 40)
+    ks._P_BY_STATISTIC.clear()
+    rng = np.random.default_rng(4)
+    sizes = []
+    for _ in range(400):
+        reference, recent = rng.normal(0, 1, int(rng.integers(5, 60))), rng.normal(0.5, 1, 9)
+        assert ks.ks_p_value(reference, recent) == float(ks_2samp(reference, recent).pvalue)
+        sizes.append(len(ks._P_BY_STATISTIC))
+    assert max(sizes) == 40 and min(sizes[40:]) >= 1 and sizes.count(1) >= 5
+
+
 def test_the_detectors_median_and_scale_are_numpys_to_the_last_bit() -> None:
     """rolling.median and robust_scale skip numpy's wrappers: on windows of every size
     from 1 to 400, odd and even, with ties (rounded values), flat windows (the mean

@@ -33,9 +33,12 @@ EXACT_MAX_N = 10_000
 
 
 #: exact p-values by (reference size, recent size, statistic as an integer count): see
-#: :func:`ks_p_value`. Bounded: the statistic takes at most lcm(n1, n2) + 1 values
-#: per pair of sizes, and a process sees a few pairs (one per detector configuration).
+#: :func:`ks_p_value`. A warmed-up detector's pair of sizes has at most lcm(n1, n2) + 1
+#: statistic values (301 for the defaults), but each warm-up (a new series, its
+#: reference growing point by point) adds a key per point, so the memo is emptied
+#: once it holds :data:`MEMO_MAX` (~5 MB).
 _P_BY_STATISTIC: dict[tuple[int, int, int], float] = {}
+MEMO_MAX = 50_000
 
 
 def ks_statistic_steps(reference: np.ndarray, recent: np.ndarray) -> int:
@@ -72,6 +75,8 @@ def ks_p_value(reference: np.ndarray, recent: np.ndarray) -> float:
     key = (n1, n2, ks_statistic_steps(reference, recent))
     known = _P_BY_STATISTIC.get(key)
     if known is None:
+        if len(_P_BY_STATISTIC) >= MEMO_MAX:
+            _P_BY_STATISTIC.clear()
         known = _P_BY_STATISTIC[key] = float(_ks_2samp()(reference, recent).pvalue)
     return known
 

@@ -436,15 +436,22 @@ def _pid(up: UpProcess) -> int:
 
 # -- producer and raw consumer ------------------------------------------------------------
 
+#: the emitter's spool cap in the bench, in both modes. The SDK counts the events queued
+#: for its sender against the cap (256 MB by default, ~800k bench events), and the bench
+#: emits its whole run at once: ``--events 2000000`` was refused (``spool full``) before
+#: the sender had sent a quarter of it.
+EMIT_SPOOL_MAX_BYTES = 1 << 40
+
+
 def emit_all(bootstrap: str, events: list[EventBase], spool: Path,
              topic: str = "loopwatch.events", write_ahead: bool = False) -> tuple[float, int]:
     """Emit through the SDK from this thread; (events/s, events acknowledged).
     ``write_ahead``: the embedded broker's mode, every batch written to the spool (one
     fsync) before it is sent; a group that never commits, so it all stays there."""
-    mode: dict[str, Any] = ({"confirm": "pipeline", "consumer_group": "bench-no-commits",
-                             "spool_max_bytes": 1 << 40} if write_ahead
-                            else {"confirm": "broker"})
-    emitter = Emitter(bootstrap, topic, spool_dir=spool, **mode)
+    mode: dict[str, Any] = ({"confirm": "pipeline", "consumer_group": "bench-no-commits"}
+                            if write_ahead else {"confirm": "broker"})
+    emitter = Emitter(bootstrap, topic, spool_dir=spool,
+                      spool_max_bytes=EMIT_SPOOL_MAX_BYTES, **mode)
     try:
         started = time.monotonic()
         for event in events:

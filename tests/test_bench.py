@@ -110,6 +110,30 @@ def test_otlp_burst_is_the_issue_s_span_mix() -> None:
     assert kinds == {"run.start": 100, "llm.call": 500, "tool.call": 500, "run.end": 100}
 
 
+@pytest.mark.stack  # the session's broker
+def test_the_bench_emits_a_run_larger_than_the_sdk_s_default_spool(
+        broker, tmp_path, monkeypatch) -> None:
+    """The SDK counts the events queued for its sender against the spool's cap, and the
+    bench emits its whole run at once: with the default cap, ``--events 2000000`` was
+    refused (``spool full``). Here the default shrinks to 64 KB, under the 3,000 events'
+    ~1 MB: both of the bench's modes must still send every event."""
+    from datetime import UTC, datetime
+
+    from loopwatch.bench.pipeline import emit_all, generate_events
+    from loopwatch.core.config import Settings
+    from loopwatch.core.topics import ensure_topics
+    from loopwatch.ingest.sdk import Emitter
+
+    monkeypatch.setitem(Emitter.__init__.__kwdefaults__, "spool_max_bytes", 64 * 1024)
+    events = generate_events(3000, seed=5, end=datetime.now(UTC))
+    topic = "test.bench-emit-spool"
+    ensure_topics(broker.bootstrap, Settings(data_dir=tmp_path / "data", events_topic=topic))
+    for write_ahead in (False, True):
+        _, sent = emit_all(broker.bootstrap, events, tmp_path / f"spool-{write_ahead}",
+                           topic, write_ahead=write_ahead)
+        assert sent == len(events)
+
+
 def test_store_path_bench_smoke_stores_the_same_tables_both_ways() -> None:
     """``python -m loopwatch.bench.store_path``: today's path (Python rows) and the
     generated views, each in a process and store of its own, store equal tables (the

@@ -31,7 +31,8 @@ to the baseline measured in the same run; the machine is shared):
   Opening at the first *stored* event instead
   would leave the whole first batch's processing outside the window. ``workers["2"]``: a second
   ``up`` (own consumer group, fresh store, same topic) plus a ``loopwatch worker`` in its
-  group; a rebalance while the two join can fall inside the window. The processor's
+  group; a rebalance while the two join can fall inside the window; its window's CPU
+  per event by thread, of ``up`` and of the worker apart, goes to stderr. The processor's
   log is summarised on stderr (timer overruns, a full faust producer buffer: dead
   letters still go through it, the state changelog no longer does).
 * ``processor_peak_rss_mb``: VmHWM of the ``up`` child (it also hosts chdb, the store
@@ -71,7 +72,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from pathlib import Path
@@ -316,13 +317,16 @@ class CpuSample:
     broker: float
     main_waiting: float = 0.0
     fold_waiting: float = 0.0
+    #: the threads of a ``loopwatch worker`` beside ``up`` (the 2-worker window's)
+    worker_threads: dict[int, tuple[str, float]] = field(default_factory=dict)
 
     @classmethod
-    def take(cls, up_pid: int, broker_pid: int) -> CpuSample:
+    def take(cls, up_pid: int, broker_pid: int, worker_pid: int = 0) -> CpuSample:
         threads = thread_cpu(up_pid)
         return cls(machine_ticks(), cpu_seconds(up_pid), threads,
                    cpu_seconds(broker_pid)[1] if broker_pid else 0.0,
-                   waiting_for_core_s(up_pid), _fold_waiting_s(up_pid, threads))
+                   waiting_for_core_s(up_pid), _fold_waiting_s(up_pid, threads),
+                   thread_cpu(worker_pid) if worker_pid else {})
 
 
 def machine() -> dict[str, Any]:
@@ -1015,11 +1019,16 @@ def run_bench(events: int, workers: int, query_events: int,
                         del messages
                         measured = measure_processing(
                             up, baseline_two, baseline_two + sent, progress,
-                            partial(CpuSample.take, _pid(up), broker.pid or 0))
+                            partial(CpuSample.take, _pid(up), broker.pid or 0, extra.pid))
                     finally:
                         terminate(extra, 60)
                 result["workers"]["2"] = measured["rate"]
                 note("2 workers " + log_signals(data_two / "logs"))
+                opened, closed = measured["opened"], measured["closed"]
+                note("2 workers, up: " + threads_note(
+                    cpu_by_kind(opened.threads, closed.threads, _pid(up), sent)))
+                note("2 workers, worker: " + threads_note(cpu_by_kind(
+                    opened.worker_threads, closed.worker_threads, extra.pid, sent)))
                 note(window_note("2 workers", measured,
                                  "both joined their group before any message was in their "
                                  f"topic, and were stopped while it was filled ({copy_s:.1f}s); "

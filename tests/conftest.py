@@ -140,9 +140,10 @@ STACK_FIXTURES = frozenset({"broker", "alertmanager", "pipeline", "browser"})
 
 
 #: fast-tier modules whose module fixture seeds a store (the dashboards' sample fleet,
-#: ~8 s of CPU; the replay module's captured runs, ~4 s): grouped, so that one worker
-#: seeds it once instead of both workers each seeding their own
-ONE_WORKER_MODULES = {"test_dashboards.py": "dashboards", "test_replay.py": "replay"}
+#: ~8 s of CPU, which the web view's tests read too; the replay module's captured runs,
+#: ~4 s): grouped, so that one worker seeds it once instead of each worker its own
+ONE_WORKER_MODULES = {"test_dashboards.py": "dashboards", "test_webview.py": "dashboards",
+                      "test_replay.py": "replay"}
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:

@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from loopwatch.core.config import Settings
 from loopwatch.detectors.rules import load_rules
 from loopwatch.scenarios import load_scenarios
 from loopwatch.scenarios.live import run_live
 from loopwatch.scenarios.scorecard import score
-from loopwatch.store.clickhouse import migrate
+from tests.stores import fresh_store
 
 REDUCED = ("upstream_tool_outage", "rate_limit_storm", "infinite_loop_storm")
 
@@ -55,10 +54,7 @@ def test_the_scorecard_shows_progress_on_stderr_also_with_json(tmp_path: Path):
 def test_reduced_scorecard_detects_every_scenario_without_false_pages(local_store):
     """In a database of its own inside the session's chdb store (chdb allows one store
     per process), so other tests' data cannot add alerts or slow the queries."""
-    shared, _ = local_store
-    settings = Settings(data_dir=shared.data_dir, database="scorecard_check",
-                        apply_retention=False)
-    client = migrate(settings)
+    settings, client = fresh_store(local_store, "scorecard_check", apply_retention=False)
     card = score(client, settings, seed=11, history_days=0.25, baseline_hours=1,
                  scenario_names=REDUCED, observe_minutes=8,
                  quiet_passes=timedelta(minutes=45))
@@ -106,10 +102,7 @@ def test_every_advisor_finds_its_scenario_and_nothing_on_a_clean_day(local_store
     """The scorecard's advisor column: each advisor's finding on its scenario (for the
     scenario's agent, over its injected stretch), none on the clean baseline. The rules'
     column is the test above's: no rule passes here (advisors read no alerts)."""
-    shared, _ = local_store
-    settings = Settings(data_dir=shared.data_dir, database="scorecard_advice",
-                        apply_retention=False)
-    client = migrate(settings)
+    settings, client = fresh_store(local_store, "scorecard_advice", apply_retention=False)
     card = score(client, settings, seed=11, history_days=0.05, baseline_hours=2,
                  scenario_names=ADVISED, observe_minutes=20, rules=False)
     result = card.as_json()

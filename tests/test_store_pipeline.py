@@ -7,11 +7,14 @@ test reaches the store through the running pipeline's service.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import httpx
 import pytest
 
 from loopwatch.core.config import Settings
@@ -22,7 +25,7 @@ from loopwatch.processors.pipeline import Pipeline, RawMessage
 from loopwatch.processors.runs import seen_ids
 from loopwatch.runtime import _insert_action, _store_reads
 from loopwatch.store.clickhouse import connect, migrate, run_query
-from loopwatch.store.reader import DirectReader, QueryError, ServiceReader
+from loopwatch.store.reader import BODY_PIECE_BYTES, DirectReader, QueryError, ServiceReader
 from loopwatch.store.remote_sink import ServiceSink
 from loopwatch.store.service import StoreService
 from loopwatch.store.sink import ClickHouseSink, RowBatch
@@ -210,6 +213,48 @@ def test_rows_through_the_store_service_equal_direct_inserts_and_redelivery_is_h
         with pytest.raises(QueryError, match="does not take remote inserts"):
             sink.write_batch(bad)
         assert _rows(client, "remote") == []
+    finally:
+        service.stop()
+
+
+def test_a_body_larger_than_a_socket_buffer_goes_in_pieces_as_one_plain_body(
+        store, tmp_path: Path):
+    """An extra worker's insert batches are tens of MB: the reader hands them to the
+    socket in pieces (httpcore re-copies the unsent rest of a whole body after every
+    send, docs/performance.md) yet still as one body of a stated length, never chunked,
+    and the owner's action gets every byte, at every size around a piece's."""
+    _, client = store
+    received: list[bytes] = []
+
+    def echo(body: bytes) -> dict[str, object]:
+        received.append(body)
+        return {"bytes": len(body), "sha256": hashlib.sha256(body).hexdigest()}
+
+    service = StoreService(client, lambda: {}, tmp_path / "service.json",
+                           raw_actions={"echo": echo})
+    url = service.start({})
+    sent: list[tuple[str | None, str | None, bool]] = []
+
+    def seen(request: httpx.Request) -> None:
+        try:
+            request.content  # noqa: B018  # read only when the body is one bytes object
+            streamed = False
+        except httpx.RequestNotRead:
+            streamed = True
+        sent.append((request.headers.get("content-length"),
+                     request.headers.get("transfer-encoding"), streamed))
+
+    try:
+        reader = ServiceReader(url)
+        reader._http().event_hooks["request"].append(seen)
+        sizes = [0, 1, BODY_PIECE_BYTES - 1, BODY_PIECE_BYTES, BODY_PIECE_BYTES + 1,
+                 3 * BODY_PIECE_BYTES, 24 * BODY_PIECE_BYTES + 7]
+        for size in sizes:
+            body = os.urandom(size)
+            answer = json.loads(reader.send("/admin/echo", body, "application/octet-stream"))
+            assert answer == {"bytes": size, "sha256": hashlib.sha256(body).hexdigest()}
+            assert received[-1] == body
+        assert sent == [(str(size), None, size > BODY_PIECE_BYTES) for size in sizes]
     finally:
         service.stop()
 

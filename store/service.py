@@ -33,7 +33,7 @@ import orjson
 from clickhouse_connect.driver.client import Client
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -217,7 +217,11 @@ class StoreService:
                 if given != content_type:
                     return _error(415, f"{request.url.path} takes {content_type}, "
                                        f"not {given or 'no content type'}")
-                data = await request.body()
+                try:
+                    data = await request.body()
+                except ClientDisconnect:  # hung up mid-body: nothing to act on, and the
+                    # answer goes nowhere (uvicorn drops it), but no traceback is logged
+                    return _error(400, "the request ended before its body")
                 try:
                     result = await run_in_threadpool(handle, data)
                 except Exception as exc:

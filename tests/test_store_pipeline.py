@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -27,7 +28,7 @@ from loopwatch.runtime import _insert_action, _store_reads
 from loopwatch.store.clickhouse import connect, migrate, run_query
 from loopwatch.store.reader import BODY_PIECE_BYTES, DirectReader, QueryError, ServiceReader
 from loopwatch.store.remote_sink import ServiceSink
-from loopwatch.store.service import StoreService
+from loopwatch.store.service import SERVICE_HOST, UNIX_SCHEME, StoreService
 from loopwatch.store.sink import ClickHouseSink, RowBatch
 
 T0 = datetime(2026, 11, 29, 9, 0, tzinfo=UTC)
@@ -218,7 +219,7 @@ def test_rows_through_the_store_service_equal_direct_inserts_and_redelivery_is_h
 
 
 def test_a_body_larger_than_a_socket_buffer_goes_in_pieces_as_one_plain_body(
-        store, tmp_path: Path):
+        store, tmp_path: Path, capfd: pytest.CaptureFixture[str]):
     """An extra worker's insert batches are tens of MB: the reader hands them to the
     socket in pieces (httpcore re-copies the unsent rest of a whole body after every
     send, docs/performance.md) yet still as one body of a stated length, never chunked,
@@ -255,6 +256,22 @@ def test_a_body_larger_than_a_socket_buffer_goes_in_pieces_as_one_plain_body(
             assert answer == {"bytes": size, "sha256": hashlib.sha256(body).hexdigest()}
             assert received[-1] == body
         assert sent == [(str(size), None, size > BODY_PIECE_BYTES) for size in sizes]
+
+        # hostile: a sender that states a length, sends part of it and hangs up never
+        # gets its part to the action nor a traceback into the log, and the service
+        # still answers the next sender
+        cut = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        cut.connect(url.removeprefix(UNIX_SCHEME))
+        cut.sendall(f"POST /admin/echo HTTP/1.1\r\nHost: {SERVICE_HOST}\r\n"
+                    f"Content-Type: application/octet-stream\r\n"
+                    f"Content-Length: {3 * BODY_PIECE_BYTES}\r\n\r\n".encode()
+                    + bytes(BODY_PIECE_BYTES))
+        cut.close()
+        body = os.urandom(2 * BODY_PIECE_BYTES + 1)
+        answer = json.loads(reader.send("/admin/echo", body, "application/octet-stream"))
+        assert answer["bytes"] == len(body)
+        assert len(received) == len(sizes) + 1 and received[-1] == body
+        assert "Exception in ASGI application" not in capfd.readouterr().err
     finally:
         service.stop()
 

@@ -10,6 +10,7 @@ mirror, so the first cannot pass by the mirror declining everything.
 
 from __future__ import annotations
 
+import functools
 import json
 import types
 import uuid
@@ -46,8 +47,11 @@ def _core(annotation: Any) -> tuple[Any, bool]:
     return annotation, False
 
 
+@functools.cache
 def _plain(model: type[EventBase], name: str) -> st.SearchStrategy[Any]:
-    """Values a strict reader accepts for the field."""
+    """Values a strict reader accepts for the field (one strategy object per field:
+    hypothesis validates a strategy the first time it draws from it, and building
+    them anew for every draw spent a third of the module's time validating)."""
     kind, optional = _core(model.model_fields[name].annotation)
     bounds = _bounds(model, name)
     if get_origin(kind) is Literal:
@@ -67,6 +71,7 @@ def _plain(model: type[EventBase], name: str) -> st.SearchStrategy[Any]:
     return st.one_of(st.none(), values) if optional else values
 
 
+@functools.cache
 def _lenient(model: type[EventBase], name: str) -> st.SearchStrategy[Any]:
     """Values at or past the edges, or of the wrong JSON type."""
     bounds = _bounds(model, name)
@@ -97,33 +102,38 @@ TIMES = st.one_of(
 )
 IDS = st.one_of(st.uuids().map(str), st.uuids().map(lambda u: u.hex),
                 st.uuids().map(lambda u: "{" + str(u) + "}"), st.just("not-a-uuid"))
+PLAIN_IDS = st.uuids().map(str)
+PLAIN_TIMES = st.datetimes(min_value=datetime(1990, 1, 1), max_value=datetime(2200, 1, 1),
+                           timezones=st.just(UTC)).map(datetime.isoformat)
+MODELS = st.sampled_from(EVENT_TYPES)
+ONE_IN_16 = st.integers(0, 15)
+COIN = st.booleans()
+ODD_VERSIONS = st.sampled_from(["1.1", "2.0", "x", 1, "1.0"])
+SURPRISES = st.sampled_from([1, {"a": [1]}, None])
 
 
 @st.composite
 def events(draw: st.DrawFn, lenient: bool) -> dict[str, Any]:
     """One event; with ``lenient``, some values (about one in 16) are edge cases."""
-    model = draw(st.sampled_from(EVENT_TYPES))
+    model = draw(MODELS)
 
     def odd() -> bool:
-        return lenient and draw(st.integers(0, 15)) == 0
+        return lenient and draw(ONE_IN_16) == 0
 
     event: dict[str, Any] = {
         "event_type": model.model_fields["event_type"].default,
-        "event_id": draw(IDS) if odd() else str(draw(st.uuids())),
-        "ts": draw(TIMES) if odd() else draw(
-            st.datetimes(min_value=datetime(1990, 1, 1), max_value=datetime(2200, 1, 1),
-                         timezones=st.just(UTC))).isoformat(),
+        "event_id": draw(IDS) if odd() else draw(PLAIN_IDS),
+        "ts": draw(TIMES) if odd() else draw(PLAIN_TIMES),
     }
     for name, info in model.model_fields.items():
         if name in event or name in ("event_type", "schema_version"):
             continue
-        if info.is_required() or draw(st.booleans()):
+        if info.is_required() or draw(COIN):
             event[name] = draw(_lenient(model, name) if odd() else _plain(model, name))
-    if draw(st.booleans()):
-        event["schema_version"] = draw(st.sampled_from(["1.1", "2.0", "x", 1, "1.0"])) \
-            if odd() else SCHEMA_VERSION
+    if draw(COIN):
+        event["schema_version"] = draw(ODD_VERSIONS) if odd() else SCHEMA_VERSION
     if odd():
-        event["surprise"] = draw(st.sampled_from([1, {"a": [1]}, None]))
+        event["surprise"] = draw(SURPRISES)
     return event
 
 

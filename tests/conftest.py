@@ -28,12 +28,13 @@ from loopwatch.core.config import Settings
 from loopwatch.core.embedded.broker import EmbeddedBroker, free_port
 from loopwatch.ingest.sdk import Emitter
 from loopwatch.processors.rows import EVENTS_IN_TABLE
-from loopwatch.store.clickhouse import QueryResult, migrate
+from loopwatch.store.clickhouse import QueryResult
 from loopwatch.store.reader import DirectReader, ServiceReader
 from loopwatch.store.service import dumps
 from loopwatch.store.sink import RowBatch, encode_rows
 from loopwatch.upprocess import UpProcess
 from tests.receivers import Receiver
+from tests.stores import migrated_store
 
 T = TypeVar("T")
 
@@ -229,9 +230,11 @@ def local_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Settings, Cli
 
     chdb allows one engine path per process: every in-process test shares this one.
     (The pipeline's store lives in its own child process and is reached over HTTP.)
+    Its database is made as ``fresh_store``'s are, from the engine's template
+    (``tests/stores.py``), which that engine migrates once either way.
     """
     settings = Settings(data_dir=tmp_path_factory.mktemp("local-store"))
-    return settings, migrate(settings)
+    return settings, migrated_store(settings)
 
 
 @pytest.fixture(scope="session")

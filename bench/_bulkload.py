@@ -30,8 +30,9 @@ ENVELOPE_EVENTS = 200
 
 
 def bulk_load(data_dir: Path, events: int, seed: int, chunk: int = 20_000) -> dict[str, float]:
-    """Streams the fleet's events an hour at a time, so ten million never sit in memory."""
-    from loopwatch.bench.pipeline import event_hours
+    """Streams the fleet's events a simulated hour at a time, so ten million never sit in
+    memory."""
+    from loopwatch.bench.pipeline import event_spans
 
     started = time.monotonic()
     settings = load_settings(data_dir=data_dir)
@@ -41,10 +42,10 @@ def bulk_load(data_dir: Path, events: int, seed: int, chunk: int = 20_000) -> di
     # history well before the pipeline's own traffic, so the two never share run ids
     end = datetime.now(UTC) - timedelta(days=2)
     offset = 0
-    for hour in event_hours(events, seed, end):
-        hour = hour[:events - offset]
-        for start in range(0, len(hour), chunk):
-            part = hour[start:start + chunk]
+    for span in event_spans(events, seed, end):
+        span = span[:events - offset]
+        for start in range(0, len(span), chunk):
+            part = span[start:start + chunk]
             messages = [
                 RawMessage("bench.bulk", 0, offset + start + index,
                            encode_envelope(part[index:index + ENVELOPE_EVENTS]))
@@ -53,7 +54,7 @@ def bulk_load(data_dir: Path, events: int, seed: int, chunk: int = 20_000) -> di
             work = pipeline.process(messages)
             work.rows.extend(pipeline.sweep().rows)
             sink.write_batch(work.rows)
-        offset += len(hour)
+        offset += len(span)
         if offset >= events:
             break
     merge_history(client)

@@ -7,10 +7,11 @@ One embedded broker; the bench's event mix (:func:`loopwatch.bench.pipeline.gene
 emitted once through the SDK; then, ``R`` times in turn: the raw consumer of
 ``loopwatch bench`` (:func:`loopwatch.bench.pipeline.raw_consume`: aiokafka, no group, every
 partition, ``orjson.loads`` of each message) and a faust worker in a child process with
-the processor's own app settings (:func:`loopwatch.processors.app.faust_settings`) and its
-``take_events`` batching, that does the same ``orjson.loads`` and nothing else: no fold,
-no writes. Each reads the whole topic (the faust child in a fresh consumer group, its
-join excluded: both rates run from the first batch to the N-th event). ``ratio`` is the
+the processor's own app (:func:`loopwatch.processors.app.faust_app`: its settings and
+consumer) and its ``take_events`` batching, that does the same ``orjson.loads`` and
+nothing else: no fold, no writes. Each reads the whole topic (the faust child in a fresh
+consumer group, its join excluded: both rates run from the first batch to the N-th
+event). ``ratio`` is the
 median of the paired ``faust / raw`` rates: what faust leaves of the raw consumer before
 the processor does any work; beside it the CPU per event of each (faust's process from
 its first batch; the raw consumer's whole call, its connection included). ``--faust``
@@ -54,10 +55,10 @@ def child(bootstrap: str, expected: int, group: str, overrides: dict[str, Any],
     worker takes stdout over for its log)."""
     import faust
 
-    from loopwatch.processors.app import faust_settings
+    from loopwatch.processors.app import faust_app
 
     settings = load_settings()
-    app = faust.App(group, **{**faust_settings(settings, bootstrap), **overrides})
+    app = faust_app(group, settings, bootstrap, **overrides)
     topic = app.topic(settings.events_topic, key_type=bytes, value_type=bytes,
                       key_serializer="raw", value_serializer="raw",
                       partitions=settings.partitions)

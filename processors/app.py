@@ -36,6 +36,7 @@ from loopwatch.ingest.privatefs import private_dir
 from loopwatch.processors.capture_app import register_captures
 from loopwatch.processors.continuity import PartitionContinuity
 from loopwatch.processors.deadletter import DeadLetterRecord
+from loopwatch.processors.faust_transport import prompt_transport
 from loopwatch.processors.kafka_writes import KafkaWrites, record_limit
 from loopwatch.processors.pipeline import Pipeline, RawMessage, RunLookup, Work
 from loopwatch.processors.rows import EVENTS_IN_TABLE
@@ -183,6 +184,15 @@ def faust_settings(settings: Settings, bootstrap: str) -> dict[str, Any]:
         "consumer_max_fetch_size": max(settings.max_message_bytes * 2, 4_194_304),
         "stream_buffer_maxsize": settings.batch_max_events,
     }
+
+
+def faust_app(name: str, settings: Settings, bootstrap: str, **overrides: Any) -> faust.App:
+    """The processors' faust app (also the fetch bench's): :func:`faust_settings` with
+    ``overrides``, and a consumer that waits at most ``settings.fetch_max_wait_ms`` for a
+    fetch (:mod:`loopwatch.processors.faust_transport`)."""
+    app = faust.App(name, **{**faust_settings(settings, bootstrap), **overrides})
+    app.transport = prompt_transport(app, settings.fetch_max_wait_ms)
+    return app
 
 
 def _report_unstored(acked: asyncio.Future[None]) -> None:
@@ -425,7 +435,7 @@ class Processor:
         self.positions: dict[int, int] = {}
         self._caught_up = False
         self.kafka_writes = KafkaWrites(settings.sink_retry_s)
-        self.app = faust.App(settings.consumer_group, **faust_settings(settings, bootstrap))
+        self.app = faust_app(settings.consumer_group, settings, bootstrap)
         self.events_topic = self.app.topic(
             settings.events_topic, key_type=bytes, value_type=bytes,
             key_serializer="raw", value_serializer="raw", partitions=settings.partitions,

@@ -107,6 +107,11 @@ class Settings(BaseSettings):
         "of 2000 (run states are written once per batch: far smaller batches were slower)"
     )
     batch_max_wait_s: float = Field(0.5, gt=0)
+    fetch_max_wait_ms: int = Field(
+        100, ge=1, le=60_000, description="how long the processors' consumer waits for a "
+        "fetch with nothing to read (faust's own is 1500 ms). A Kafka broker answers as "
+        "soon as data arrives; the embedded one answers when the wait is over, so this "
+        "bounds how long a message that arrives while the processors are caught up waits")
     settle_max_runs: int = Field(
         20_000, ge=1, description="a batch stores (changelog + runs rows) the runs it "
         "touched once this many are waiting, not only at its end: a batch of 2000 envelopes "

@@ -11,12 +11,11 @@ the processor's own app (:func:`loopwatch.processors.app.faust_app`: its setting
 consumer) and its ``take_events`` batching, that does the same ``orjson.loads`` and
 nothing else: no fold, no writes. Each reads the whole topic (the faust child in a fresh
 consumer group, its join excluded: both rates run from the first batch to the N-th
-event). ``ratio`` is the
-median of the paired ``faust / raw`` rates: what faust leaves of the raw consumer before
-the processor does any work; beside it the CPU per event of each (faust's process from
-its first batch; the raw consumer's whole call, its connection included). ``--faust``
-overrides a faust setting in the child (values are JSON, else strings), ``--take`` and
-``--within`` the batching, to tune them.
+event). ``ratio`` is the median of the paired ``faust / raw`` rates: what faust leaves of
+the raw consumer before the processor does any work; beside it the CPU per event of each
+(faust's process from its first batch; the raw consumer's whole call, its connection
+included). ``--faust`` overrides a faust setting in the child (values are JSON, else
+strings), ``--take`` and ``--within`` the batching, to tune them.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from loopwatch.ingest.privatefs import private_dir
 from loopwatch.processors.capture_app import register_captures
 from loopwatch.processors.continuity import PartitionContinuity
 from loopwatch.processors.deadletter import DeadLetterRecord
-from loopwatch.processors.faust_transport import prompt_transport
+from loopwatch.processors.faust_transport import PromptTransport
 from loopwatch.processors.kafka_writes import KafkaWrites, record_limit
 from loopwatch.processors.pipeline import Pipeline, RawMessage, RunLookup, Work
 from loopwatch.processors.rows import EVENTS_IN_TABLE
@@ -191,7 +191,8 @@ def faust_app(name: str, settings: Settings, bootstrap: str, **overrides: Any) -
     ``overrides``, and a consumer that waits at most ``settings.fetch_max_wait_ms`` for a
     fetch (:mod:`loopwatch.processors.faust_transport`)."""
     app = faust.App(name, **{**faust_settings(settings, bootstrap), **overrides})
-    app.transport = prompt_transport(app, settings.fetch_max_wait_ms)
+    app.transport = PromptTransport(app.conf.broker_consumer, app,
+                                    fetch_max_wait_ms=settings.fetch_max_wait_ms)
     return app
 
 

@@ -12,46 +12,43 @@ an idle consumer a fetch request per wait, to its own broker.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
-import faust
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
 
 class _ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
-    """faust's consumer thread, whose worker consumer waits ``fetch_max_wait_ms``."""
-
-    fetch_max_wait_ms: ClassVar[int]
+    """faust's consumer thread, whose worker consumer waits its transport's
+    ``fetch_max_wait_ms``."""
 
     def _create_worker_consumer(self, transport: Any) -> Any:
         consumer = super()._create_worker_consumer(transport)
         # read once, when the consumer starts its fetcher; aiokafka has no setter
-        consumer._fetch_max_wait_ms = self.fetch_max_wait_ms
+        consumer._fetch_max_wait_ms = transport.fetch_max_wait_ms
         return consumer
 
 
-def prompt_transport(app: faust.App, fetch_max_wait_ms: int) -> Any:
-    """A transport for ``app`` (set as ``app.transport`` before anything uses it) whose
-    consumer waits at most ``fetch_max_wait_ms`` for a fetch.
+class _Consumer(faust_aiokafka.Consumer):
+    def _new_consumer_thread(self) -> Any:
+        return _ConsumerThread(self, loop=self.loop, beacon=self.beacon)
 
-    >>> import asyncio
+
+class PromptTransport(faust_aiokafka.Transport):
+    """faust's aiokafka transport (set as ``app.transport`` before anything uses it)
+    whose consumer waits at most ``fetch_max_wait_ms`` for a fetch.
+
+    >>> import asyncio, faust
     >>> app = faust.App("doctest", broker="kafka://127.0.0.1:1", store="memory://")
-    >>> app.transport = prompt_transport(app, 100)
+    >>> app.transport = PromptTransport(app.conf.broker_consumer, app, fetch_max_wait_ms=100)
     >>> async def fetch_wait() -> int:  # aiokafka builds a consumer on a running loop
     ...     thread = app.consumer._thread
     ...     return thread._create_worker_consumer(app.transport)._fetch_max_wait_ms
     >>> asyncio.run(fetch_wait())
     100
     """
-    thread = type("ConsumerThread", (_ConsumerThread,),
-                  {"fetch_max_wait_ms": fetch_max_wait_ms})
 
-    class Consumer(faust_aiokafka.Consumer):
-        def _new_consumer_thread(self) -> Any:
-            return thread(self, loop=self.loop, beacon=self.beacon)
+    Consumer = _Consumer
 
-    class Transport(faust_aiokafka.Transport):
-        pass
-
-    Transport.Consumer = Consumer
-    return Transport(app.conf.broker_consumer, app)
+    def __init__(self, url: Any, app: Any, fetch_max_wait_ms: int, **kwargs: Any) -> None:
+        super().__init__(url, app, **kwargs)
+        self.fetch_max_wait_ms = fetch_max_wait_ms

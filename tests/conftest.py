@@ -204,6 +204,13 @@ PIPELINE_ENV = {
 }
 
 
+class DiscardSink:
+    """A sink that keeps nothing: for tests that read the pipeline's work, not the store."""
+
+    def write_batch(self, batch: RowBatch) -> None:
+        return None
+
+
 def dead_pid() -> int:
     """The pid of a child that has exited and been reaped."""
     done = subprocess.Popen(["true"])

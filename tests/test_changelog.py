@@ -28,8 +28,7 @@ from loopwatch.processors.pipeline import RawMessage
 from loopwatch.processors.runs import RunState, seen_ids
 from loopwatch.runtime import _store_reads
 from loopwatch.store.reader import ServiceReader, ServiceUnreachable
-from loopwatch.store.sink import RowBatch
-from tests.conftest import scalar, wait_for
+from tests.conftest import DiscardSink, scalar, wait_for
 
 CHANGELOG_TOPIC = f"{Settings().consumer_group}-runs-changelog"
 
@@ -90,13 +89,6 @@ def test_changelog_holds_the_latest_state_of_open_and_closed_runs(
              and state.steps == 2, 60, what="the open run's next step on the changelog")
 
 
-class _Discard:
-    """A sink that keeps nothing: the test reads the pipeline's work, not the store."""
-
-    def write_batch(self, batch: RowBatch) -> None:
-        return None
-
-
 @pytest.mark.parametrize("value", [
     b'{"run_id": "damaged", "partition": 0, "ste',
     b'{"run_id": "damaged", "partition": 0, "steps": "three", "last_ms": 2000}',
@@ -114,7 +106,7 @@ def test_a_changelogged_state_that_cannot_be_read_is_read_from_the_store_instead
     store, nothing started: no broker is needed to read and write its data)."""
     stored = RunState(run_id="damaged", partition=0, agent="a", first_ms=1_000,
                       last_ms=2_000, steps=4, version=5)
-    processor = Processor(Settings(data_dir=tmp_path), "127.0.0.1:1", _Discard(),
+    processor = Processor(Settings(data_dir=tmp_path), "127.0.0.1:1", DiscardSink(),
                           lookup_runs=lambda run_ids: {run_id: stored for run_id in run_ids
                                                        if run_id == "damaged"})
     processor.table.data[b"damaged"] = value
@@ -148,7 +140,7 @@ def test_a_sweep_pass_that_cannot_reach_the_store_is_logged_and_tried_again(
         asked.append(os_thread_name())
         return open_runs()
 
-    processor = Processor(Settings(data_dir=tmp_path), "127.0.0.1:1", _Discard(),
+    processor = Processor(Settings(data_dir=tmp_path), "127.0.0.1:1", DiscardSink(),
                           open_runs=counted_open_runs, lookup_runs=lookup_runs)
     monkeypatch.setattr(processor, "_ready", lambda: True)
     monkeypatch.setattr(processor.store, "active_partitions", lambda: {0, 1})

@@ -18,12 +18,7 @@ from pydantic import ValidationError
 
 from loopwatch.core.config import Settings
 from loopwatch.processors.app import Processor, faust_settings
-from loopwatch.store.sink import RowBatch
-
-
-class _Discard:
-    def write_batch(self, batch: RowBatch) -> None:
-        return None
+from tests.conftest import DiscardSink
 
 
 def _worker_consumer(processor: Processor) -> Any:
@@ -36,7 +31,7 @@ def _worker_consumer(processor: Processor) -> Any:
 
 def test_the_processors_consumer_waits_the_settings_fetch_wait(tmp_path: Path) -> None:
     settings = Settings(data_dir=tmp_path, fetch_max_wait_ms=37, max_message_bytes=3_000_000)
-    consumer = _worker_consumer(Processor(settings, "127.0.0.1:1", _Discard()))
+    consumer = _worker_consumer(Processor(settings, "127.0.0.1:1", DiscardSink()))
     assert consumer._fetch_max_wait_ms == 37
     # faust's own configuration of its consumer is kept: the group, the fetch size the
     # processors ask for (twice the largest message), manual commits

@@ -3,7 +3,7 @@
 chdb opens one engine path per process, so tests that need a store of their own get a
 database of their own in ``local_store``'s engine. Migrating one from scratch runs every
 migration (about 80 statements, table rebuilds among them: ~0.85 s of CPU on the
-reference machine); instead one database per engine is migrated for real (the template)
+Intel Xeon of 2026-12-06); instead one database per engine is migrated for real (the template)
 and each fresh database, ``local_store``'s own among them, is created from the
 template's final definitions, with the template's migration record, then ``migrate()``d
 (which finds every migration recorded and only sets the TTLs the test's settings ask

@@ -168,6 +168,8 @@ class ReferencePipeline(Pipeline):
             state, event, priced_cost=priced_cost,
             loop_window=loop.window, loop_repeats=loop.repeats, when=event_ms,
         )
+        if message.offset > state.folded_offset and message.partition == state.partition:
+            state.folded_offset = message.offset
         if applied and state.awaiting_run:
             self.counters.labels_unmatched += 1
         elif applied and was_waiting:

@@ -117,6 +117,10 @@ class RunState:
     #: True while the state holds only labels, for a run not seen yet (a label that
     #: came first): it has no ``runs`` row, and its first other event makes it a run
     awaiting_run: bool = False
+    #: the highest offset of a message of ``partition`` folded into the state (-1: none
+    #: yet, or a state from a build before it): read back from the store, the state has
+    #: folded exactly the stored events one of whose copies came at or before it
+    folded_offset: int = -1
 
     def to_dict(self, with_seen: bool = True) -> dict[str, Any]:
         """A JSON-able dict; ``dataclasses.asdict`` deep-copies every value, ~10x slower.

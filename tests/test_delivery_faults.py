@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from loopwatch.core.embedded.broker import EmbeddedBroker
 from loopwatch.ingest.announce import BrokerAnnouncement
 from loopwatch.ingest.sdk import Emitter
 from loopwatch.upprocess import UpProcess
-from tests.conftest import PIPELINE_ENV, scalar, wait_for
+from tests.conftest import PIPELINE_ENV, wait_for
 from tests.delivery_agent import EVENTS_PER_RUN, emit_run, outcome, run_id
 from tests.test_capture import reassemble, wait_decided
 from tests.test_sdk import create_topic
@@ -87,14 +88,26 @@ def stream(emitter: Emitter, agent: str, first: int, runs: int, chunk: int = 100
         assert emitter.flush(120)
 
 
+def not_closed(up: UpProcess, agent: str, runs: int) -> list[tuple[object, ...]]:
+    """The agent's first runs (of ``0..runs``) that are missing or not closed."""
+    found = {row[0]: row for row in up.reader.query(
+        "SELECT run_id, status, outcome, steps FROM runs FINAL WHERE agent = {a:String}",
+        {"a": agent}).rows}
+    wrong = [found.get(run_id(agent, n), (run_id(agent, n), "missing"))
+             for n in range(runs) if found.get(run_id(agent, n), ("", ""))[1] != "closed"]
+    return wrong[:5] + ([(f"... {len(wrong)} in all",)] if len(wrong) > 5 else [])
+
+
 def assert_exact(up: UpProcess, agent: str, runs: int) -> tuple[int, int]:
     """Every event of runs 0..runs stored once, every run closed with its outcome."""
     total = runs * EVENTS_PER_RUN
     wait_for(lambda: stored(up, agent)[0] >= total, 240, what=f"{total} events of {agent}")
     assert stored(up, agent) == (total, total)
-    wait_for(lambda: scalar(up.reader, "SELECT count() FROM runs FINAL WHERE agent = {a:String}"
-                                       " AND status = 'closed'", a=agent) == runs,
-             120, what=f"{runs} runs of {agent} closed")
+    deadline = time.monotonic() + 120
+    while wrong := not_closed(up, agent, runs):
+        assert time.monotonic() < deadline, \
+            f"runs of {agent} not closed after 120 s (run, status, outcome, steps): {wrong}"
+        time.sleep(0.3)
     rows = up.reader.query("SELECT run_id, outcome, steps, llm_calls, input_tokens "
                            "FROM runs FINAL WHERE agent = {a:String}", {"a": agent}).rows
     assert {row[0]: row[1] for row in rows} == {run_id(agent, n): outcome(n)

@@ -111,6 +111,37 @@ def test_a_run_read_back_from_the_store_still_knows_its_events(store):
         assert (run["outcome"], run["llm_calls"], run["cost_usd"]) == ("success", 1, 3.0)
 
 
+def test_a_run_read_back_after_a_crash_between_its_events_and_its_row_is_closed_once(store):
+    """Finding (CI, a SIGKILL of ``up``): a batch's events are written chunk by chunk and
+    its runs rows with its last write; killed between, the store held a run's
+    ``run.end`` but a row from before it, the state read back counted every stored event
+    seen, the redelivered ``run.end`` was a duplicate and the run stayed open for good.
+    Here message 10 (start, call) is folded and stored with its row; message 11 (the
+    call again, as an SDK resends it, and the end) is folded and its events stored, but
+    not its row. Read back, the state has folded what came at or before offset 10, so
+    the end counts once on redelivery and the call not twice."""
+    settings = Settings(data_dir=store[0].data_dir, database="crash_between_check")
+    client = migrate(settings)
+    sink = ClickHouseSink(client)
+    start, call, end = run_events("cut-short", 3.0)
+    first = Pipeline(settings, MemoryRunStore())
+    sink.write_batch(first.process(messages([start, call], offset=10)).rows)
+    cut = first.fold(messages([call, end], offset=11), {})  # the chunk; no settle
+    assert "runs" not in cut.rows.tables
+    sink.write_batch(cut.rows)
+    open_runs, lookup_runs = _store_reads(DirectReader(client))
+    adopted = open_runs()
+    assert [(state.run_id, state.folded_offset) for state in adopted] == [("cut-short", 10)]
+    assert seen_ids(adopted[0]) == seen_ids(lookup_runs(["cut-short"])["cut-short"]) == [
+        start.event_id.bytes, call.event_id.bytes]
+    resumed = Pipeline(settings, MemoryRunStore())
+    assert resumed.adopt(adopted) == 1
+    sink.write_batch(resumed.process(messages([call, end], offset=11)).rows)
+    assert resumed.counters.duplicates == 1
+    assert run_query(client, "SELECT status, outcome, llm_calls, cost_usd FROM runs FINAL "
+                             "WHERE run_id = 'cut-short'").rows == [["closed", "success", 1, 3.0]]
+
+
 def test_many_runs_are_read_back_in_one_lookup(store):
     """``lookup_runs`` (what the fold calls for every run of a window it does not hold)
     returns each stored run with its folded event ids, leaves out runs the store does not

@@ -168,8 +168,11 @@ class ReferencePipeline(Pipeline):
             state, event, priced_cost=priced_cost,
             loop_window=loop.window, loop_repeats=loop.repeats, when=event_ms,
         )
-        if message.offset > state.folded_offset and message.partition == state.partition:
+        if message.partition == state.partition and (
+                message.offset > state.folded_offset
+                or state.folded_since_ms != self.incarnation_ms):
             state.folded_offset = message.offset
+            state.folded_since_ms = self.incarnation_ms
         if applied and state.awaiting_run:
             self.counters.labels_unmatched += 1
         elif applied and was_waiting:

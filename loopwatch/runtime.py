@@ -32,6 +32,7 @@ from loopwatch.core.embedded.lifecycle import DataDirBroker
 from loopwatch.core.masking import safe_url
 from loopwatch.core.topics import LagProbe, ensure_topics
 from loopwatch.detectors.service import start_detectors
+from loopwatch.ingest.announce import BrokerAnnouncement, read_announcement
 from loopwatch.ingest.otlp.process import ReceiverProcess
 from loopwatch.ingest.otlp.server import OtlpReceiver
 from loopwatch.ingest.otlp.settings import load_otlp_settings
@@ -149,20 +150,25 @@ LOOKUP_CHUNK = 1000
 #: state folded: a batch's events are written chunk by chunk and its runs rows last,
 #: so a crash between leaves events stored whose fold is not. Counting those seen made
 #: their redelivery a duplicate and left the run open for good (a SIGKILL of ``up``
-#: in CI). An event was folded iff one of its copies came in a message at or before
-#: the state's ``folded_offset`` (messages of a partition fold in order), hence the
-#: smallest offset over the copies not yet merged away, not ``FINAL``'s last copy. An
-#: event of another partition, or a state without the offset, counts as folded. Not
-#: exact across a lost embedded broker (offsets start again; a state older than the
-#: loss counts the new incarnation's stored events folded until its offsets pass the
-#: old ones, as before the offset) nor once a merge kept only a resent copy.
+#: in CI). Messages of a partition fold in order, so an event was folded iff one of its
+#: copies came at or before the state's ``folded_offset``: the smallest offset over the
+#: copies not yet merged away, not ``FINAL``'s last copy, as an SDK resend of a folded
+#: event is a second copy. Offsets count in the broker incarnation the state folded in
+#: (``folded_since_ms``; an embedded broker's start again); a copy stored before it
+#: (``ingested_at``) counts as folded, as does one of another partition, and every
+#: event of a state without the offset (a build before it). Not exact for an event
+#: stored unfolded before a broker loss and resent after it, nor once a merge kept only
+#: a resent copy.
 SEEN_SQL = """
 SELECT run_id, groupArray(toString(event_id)) FROM (
     SELECT run_id, event_id, min(ts) AS first_ts FROM events
     WHERE run_id IN {run_ids:Array(String)}
     GROUP BY run_id, event_id
     HAVING min(if(kafka_partition = transform(run_id, {run_ids:Array(String)},
-                                              {partitions:Array(UInt32)}, toUInt32(0)),
+                                              {partitions:Array(UInt32)}, toUInt32(0))
+                  AND toUnixTimestamp64Milli(ingested_at)
+                      >= transform(run_id, {run_ids:Array(String)}, {since:Array(Int64)},
+                                   toInt64(0)),
                   toInt64(kafka_offset), toInt64(-1)))
            <= transform(run_id, {run_ids:Array(String)}, {offsets:Array(Int64)}, toInt64(-1))
         OR transform(run_id, {run_ids:Array(String)}, {offsets:Array(Int64)}, toInt64(-1)) < 0
@@ -185,6 +191,13 @@ GROUP BY run_id
 """
 
 
+def incarnation_start_ms(broker: BrokerAnnouncement) -> int:
+    """When an embedded broker incarnation started, in ms: its offsets count from there
+    (a new one starts them again), and every ``ingested_at`` of a message it carried is
+    later, every one of the incarnations before earlier (one machine, one clock)."""
+    return int(broker.started_at * 1000)
+
+
 def _store_reads(reader: Reader, settings: Settings | None = None
                  ) -> tuple[Callable[[], list[RunState]], RunLookup]:
     """How the processors read run state back from the store (after a broker restart,
@@ -203,7 +216,8 @@ def _store_reads(reader: Reader, settings: Settings | None = None
             for run_id, event_ids in reader.query(SEEN_SQL, {
                     "run_ids": [state.run_id for state in chunk],
                     "partitions": [state.partition for state in chunk],
-                    "offsets": [state.folded_offset for state in chunk]}).rows:
+                    "offsets": [state.folded_offset for state in chunk],
+                    "since": [state.folded_since_ms for state in chunk]}).rows:
                 by_id[run_id].seen = seen_from_ids(event_ids)
         return states
 
@@ -313,9 +327,12 @@ def run_worker(settings: Settings, loglevel: str = "warning") -> None:
         bootstrap = settings.kafka_bootstrap or announced["kafka_bootstrap"]
     if not bootstrap:
         raise RuntimeError("set LOOPWATCH_KAFKA_BOOTSTRAP for a worker against a ClickHouse server")
+    broker = None if settings.kafka_bootstrap else read_announcement(settings.data_dir)
+    incarnation_ms = incarnation_start_ms(broker) if broker is not None \
+        and broker.bootstrap == bootstrap else 0
     open_runs, lookup_runs = _store_reads(reader, settings)
     processor = Processor(settings, bootstrap, sink, open_runs=open_runs,
-                          lookup_runs=lookup_runs)
+                          lookup_runs=lookup_runs, incarnation_ms=incarnation_ms)
     log_file = settings.data_dir / "logs" / f"worker-{os.getpid()}.log"
     worker = DrainingWorker(processor, bootstrap, stop_requested,
                             loglevel=loglevel, quiet=True, redirect_stdouts=False,
@@ -556,12 +573,14 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
     receiver: OtlpReceiver | ReceiverProcess | None = None
     detectors_stop = threading.Event()
     try:
+        incarnation_ms = 0
         if settings.kafka_bootstrap:
             bootstrap = settings.kafka_bootstrap
         else:
             broker = DataDirBroker(settings).acquire()
             adopted_at = time.monotonic()
             bootstrap = broker.bootstrap
+            incarnation_ms = incarnation_start_ms(broker.announcement)
         ensure_topics(bootstrap, settings)
         writer = migrate(settings)
         receiver = _start_otlp(settings, bootstrap, otlp_port)
@@ -573,7 +592,7 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
             sink = FaultInjectingSink(sink, Path(fault_marker))
         processor = Processor(settings, bootstrap, sink,
                               open_runs=open_runs, lookup_runs=lookup_runs,
-                              skip_once=_fault_skip_message())
+                              skip_once=_fault_skip_message(), incarnation_ms=incarnation_ms)
         store = (safe_url(settings.clickhouse_url) if settings.clickhouse_url
                  else f"chdb://{settings.chdb_path}")  # announced and printed: no password
 

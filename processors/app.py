@@ -416,10 +416,12 @@ class Processor:
         open_runs: Any = None,
         skip_once: tuple[int, int] | None = None,
         lookup_runs: RunLookup | None = None,
+        incarnation_ms: int = 0,
     ) -> None:
         """``skip_once`` (partition, offset) hides that message from the agent once, as
         faust's lost hand-over does (:mod:`loopwatch.processors.continuity`): fault injection for
-        tests, never set in normal operation."""
+        tests, never set in normal operation. ``incarnation_ms``: when the embedded
+        broker started (0 for a cluster; see :class:`Pipeline`)."""
         self.settings = settings
         self.continuity = PartitionContinuity()
         self._skip_once = skip_once
@@ -450,7 +452,8 @@ class Processor:
         )
         self.store = TableRunStore(self.table, self.app, settings.events_topic,
                                    self.kafka_writes, record_limit(settings))
-        self.pipeline = Pipeline(settings, self.store, lookup_runs=lookup_runs)
+        self.pipeline = Pipeline(settings, self.store, lookup_runs=lookup_runs,
+                                 incarnation_ms=incarnation_ms)
 
         def reindex_on_assignment(sender: Any, /, *args: Any, signal: Any,
                                   **kwargs: Any) -> None:

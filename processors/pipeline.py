@@ -159,6 +159,7 @@ class Pipeline:
         clock: Callable[[], float] = time.time,
         python_rows: bool = False,
         lookup_runs: RunLookup | None = None,
+        incarnation_ms: int = 0,
     ) -> None:
         """``python_rows``: build every event's ``llm_calls`` / ``tool_calls`` /
         ``labels`` row here, not only a claim event's (see :func:`rows.built_here`): for
@@ -169,8 +170,12 @@ class Pipeline:
         ``run.start``, is read from the store: ``lookup_runs`` asks for every such run
         of :data:`LOOKUP_WINDOW_EVENTS` events in one call (each lookup is a query, ~5-20
         ms, and an OTLP exporter sends a trace's children before its root, often in
-        another request); without it, ``lookup_run`` is asked once per run."""
+        another request); without it, ``lookup_run`` is asked once per run.
+
+        ``incarnation_ms``: when the embedded broker the messages come from started (0
+        for a cluster), which the states' ``folded_offset`` is counted from."""
         self.settings = settings
+        self.incarnation_ms = incarnation_ms
         self.python_rows = python_rows
         self.store = store
         self.prices = prices or PriceTable.load(settings.prices_file)
@@ -585,8 +590,11 @@ class Pipeline:
             state, event, priced_cost=priced_cost,
             loop_window=loop.window, loop_repeats=loop.repeats, when=event_ms, kind=kind,
         )
-        if message.offset > state.folded_offset and message.partition == state.partition:
+        if message.partition == state.partition and (
+                message.offset > state.folded_offset
+                or state.folded_since_ms != self.incarnation_ms):
             state.folded_offset = message.offset
+            state.folded_since_ms = self.incarnation_ms
         if applied and state.awaiting_run:
             self.counters.labels_unmatched += 1
         elif applied and was_waiting:

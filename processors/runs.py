@@ -118,9 +118,13 @@ class RunState:
     #: came first): it has no ``runs`` row, and its first other event makes it a run
     awaiting_run: bool = False
     #: the highest offset of a message of ``partition`` folded into the state (-1: none
-    #: yet, or a state from a build before it): read back from the store, the state has
-    #: folded exactly the stored events one of whose copies came at or before it
+    #: yet, or a state from a build before it), counted in the broker incarnation that
+    #: started at ``folded_since_ms`` (an embedded broker's offsets start again when it is
+    #: lost; 0 for a cluster's, which never do): read back from the store, the state has
+    #: folded the stored events one of whose copies came at or before that offset, or
+    #: was stored before the incarnation (see ``loopwatch.runtime.SEEN_SQL``)
     folded_offset: int = -1
+    folded_since_ms: int = 0
 
     def to_dict(self, with_seen: bool = True) -> dict[str, Any]:
         """A JSON-able dict; ``dataclasses.asdict`` deep-copies every value, ~10x slower.

@@ -171,7 +171,8 @@ def test_a_changelog_value_of_the_build_before_reads_back() -> None:
     store._table.data[b"r1"] = value
     state = store.get("r1")
     assert state is not None
-    # a field added since (``folded_offset``) takes its default: -1, unknown, which the
+    # fields added since take their defaults: ``folded_offset`` -1, unknown, which the
     # store's read-back takes as "every stored event folded", as that build did
-    assert orjson.dumps(state.to_dict()) == value[:-1] + b',"folded_offset":-1}'
+    assert orjson.dumps(state.to_dict()) == value[:-1] + (
+        b',"folded_offset":-1,"folded_since_ms":0}')
     assert copy.copy(state).outcome == ""

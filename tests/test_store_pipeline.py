@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import socket
+import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -140,6 +141,43 @@ def test_a_run_read_back_after_a_crash_between_its_events_and_its_row_is_closed_
     assert resumed.counters.duplicates == 1
     assert run_query(client, "SELECT status, outcome, llm_calls, cost_usd FROM runs FINAL "
                              "WHERE run_id = 'cut-short'").rows == [["closed", "success", 1, 3.0]]
+
+
+def test_after_a_lost_broker_offsets_count_from_the_new_incarnation(store):
+    """An embedded broker that is lost (or stopped) starts its offsets again. A run
+    folded at offset 500 of the first incarnation and read back after the loss folds
+    on at offsets 3 and 4 of the second; killed between message 4's events and its
+    row, the state read back must still fold message 4's end. With one offset for all
+    incarnations its marker stayed 500, every new event counted as folded, and the end
+    was dropped as a duplicate."""
+    settings = Settings(data_dir=store[0].data_dir, database="incarnation_check")
+    client = migrate(settings)
+    sink = ClickHouseSink(client)
+    start, call, end = run_events("across-brokers", 3.0)
+    second_call = call.model_copy(update={"event_id": uuid.uuid4(),
+                                          "ts": T0 + timedelta(seconds=1.5)})
+    first_ms = int(time.time() * 1000) - 1
+    first = Pipeline(settings, MemoryRunStore(), incarnation_ms=first_ms)
+    sink.write_batch(first.process(messages([start, call], offset=500)).rows)
+    time.sleep(0.01)
+    second_ms = int(time.time() * 1000)
+    time.sleep(0.01)
+    open_runs, _ = _store_reads(DirectReader(client))
+    after_loss = Pipeline(settings, MemoryRunStore(), incarnation_ms=second_ms)
+    assert after_loss.adopt(open_runs()) == 1
+    sink.write_batch(after_loss.process(messages([second_call], offset=3)).rows)
+    cut = after_loss.fold(messages([end], offset=4), {})  # killed before the settle
+    sink.write_batch(cut.rows)
+    adopted = open_runs()
+    assert [(s.folded_offset, s.folded_since_ms) for s in adopted] == [(3, second_ms)]
+    assert seen_ids(adopted[0]) == [e.event_id.bytes for e in (start, call, second_call)]
+    resumed = Pipeline(settings, MemoryRunStore(), incarnation_ms=second_ms)
+    assert resumed.adopt(adopted) == 1
+    sink.write_batch(resumed.process(messages([second_call, end], offset=3)).rows)
+    assert resumed.counters.duplicates == 1
+    assert run_query(client, "SELECT status, outcome, llm_calls, cost_usd FROM runs FINAL "
+                             "WHERE run_id = 'across-brokers'").rows == [
+        ["closed", "success", 2, 6.0]]
 
 
 def test_many_runs_are_read_back_in_one_lookup(store):

@@ -30,7 +30,15 @@ from loopwatch.ingest.events import (
 from loopwatch.processors import attribution, rows
 from loopwatch.processors.pipeline import Pipeline, RawMessage, Work
 from loopwatch.processors.pricing import cost_mismatch
-from loopwatch.processors.runs import DIMENSIONS, RunState, _detect_loop, ms, new_state, remember
+from loopwatch.processors.runs import (
+    DIMENSIONS,
+    RunState,
+    _detect_loop,
+    ms,
+    new_state,
+    note_folded,
+    remember,
+)
 from loopwatch.store import tables
 
 
@@ -168,11 +176,7 @@ class ReferencePipeline(Pipeline):
             state, event, priced_cost=priced_cost,
             loop_window=loop.window, loop_repeats=loop.repeats, when=event_ms,
         )
-        if message.partition == state.partition and (
-                message.offset > state.folded_offset
-                or state.folded_since_ms != self.incarnation_ms):
-            state.folded_offset = message.offset
-            state.folded_since_ms = self.incarnation_ms
+        note_folded(state, message.partition, message.offset, self.incarnation_ms)
         if applied and state.awaiting_run:
             self.counters.labels_unmatched += 1
         elif applied and was_waiting:

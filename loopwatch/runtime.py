@@ -170,8 +170,9 @@ SELECT run_id, groupArray(toString(event_id)) FROM (
                       >= transform(run_id, {run_ids:Array(String)}, {since:Array(Int64)},
                                    toInt64(0)),
                   toInt64(kafka_offset), toInt64(-1)))
-           <= transform(run_id, {run_ids:Array(String)}, {offsets:Array(Int64)}, toInt64(-1))
-        OR transform(run_id, {run_ids:Array(String)}, {offsets:Array(Int64)}, toInt64(-1)) < 0
+           <= (transform(run_id, {run_ids:Array(String)}, {offsets:Array(Int64)},
+                         toInt64(-1)) AS folded_offset)
+        OR folded_offset < 0
     ORDER BY run_id, first_ts, event_id)
 GROUP BY run_id
 """
@@ -211,8 +212,8 @@ def _store_reads(reader: Reader, settings: Settings | None = None
 
     def with_seen(states: list[RunState]) -> list[RunState]:
         by_id = {state.run_id: state for state in states}
-        for start in range(0, len(states), 1000):
-            chunk = states[start:start + 1000]
+        for start in range(0, len(states), LOOKUP_CHUNK):
+            chunk = states[start:start + LOOKUP_CHUNK]
             for run_id, event_ids in reader.query(SEEN_SQL, {
                     "run_ids": [state.run_id for state in chunk],
                     "partitions": [state.partition for state in chunk],

@@ -63,6 +63,7 @@ from loopwatch.processors.runs import (
     kind_of,
     ms,
     new_state,
+    note_folded,
 )
 from loopwatch.store import letters, tables
 from loopwatch.store.sink import RowBatch
@@ -590,11 +591,7 @@ class Pipeline:
             state, event, priced_cost=priced_cost,
             loop_window=loop.window, loop_repeats=loop.repeats, when=event_ms, kind=kind,
         )
-        if message.partition == state.partition and (
-                message.offset > state.folded_offset
-                or state.folded_since_ms != self.incarnation_ms):
-            state.folded_offset = message.offset
-            state.folded_since_ms = self.incarnation_ms
+        note_folded(state, message.partition, message.offset, self.incarnation_ms)
         if applied and state.awaiting_run:
             self.counters.labels_unmatched += 1
         elif applied and was_waiting:

@@ -257,6 +257,23 @@ def seen_from_ids(event_ids: list[str]) -> bytes | dict[bytes, None]:
     return _unpacked(b"".join(uuid.UUID(text).bytes for text in event_ids[-SEEN_EVENT_IDS:]))
 
 
+def note_folded(state: RunState, partition: int, offset: int, incarnation_ms: int) -> None:
+    """Record that the message at ``offset`` of ``partition`` was folded into the run:
+    its ``folded_offset`` rises, and starts again in a new broker incarnation (whose
+    offsets start again). A message of another partition leaves it alone.
+
+    >>> s = RunState("r", 0)
+    >>> note_folded(s, 0, 500, 1); note_folded(s, 0, 3, 1); (s.folded_offset, s.folded_since_ms)
+    (500, 1)
+    >>> note_folded(s, 0, 3, 2); note_folded(s, 1, 9, 2); (s.folded_offset, s.folded_since_ms)
+    (3, 2)
+    """
+    if partition == state.partition and (
+            offset > state.folded_offset or state.folded_since_ms != incarnation_ms):
+        state.folded_offset = offset
+        state.folded_since_ms = incarnation_ms
+
+
 def remember(state: RunState, event_id: bytes) -> bool:
     """Add an event id to the run's seen set; False if it was already there.
 

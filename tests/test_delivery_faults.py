@@ -93,8 +93,8 @@ def not_closed(up: UpProcess, agent: str, runs: int) -> list[tuple[object, ...]]
     found = {row[0]: row for row in up.reader.query(
         "SELECT run_id, status, outcome, steps FROM runs FINAL WHERE agent = {a:String}",
         {"a": agent}).rows}
-    wrong = [found.get(run_id(agent, n), (run_id(agent, n), "missing"))
-             for n in range(runs) if found.get(run_id(agent, n), ("", ""))[1] != "closed"]
+    rows = (found.get(run_id(agent, n), (run_id(agent, n), "missing")) for n in range(runs))
+    wrong = [row for row in rows if row[1] != "closed"]
     return wrong[:5] + ([(f"... {len(wrong)} in all",)] if len(wrong) > 5 else [])
 
 

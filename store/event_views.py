@@ -310,13 +310,74 @@ class Rendered:
 _TABLE_ORDER = (tables.EVENTS, tables.LLM_CALLS, tables.TOOL_CALLS, tables.LABELS)
 
 
-def _payload_fields() -> str:
-    """Migration 006's ``payload``: every non-null field that is not a column, then the
-    extras (the canonical JSON is flat; extras travel apart)."""
-    columns = ", ".join(_sql_string(name) for name in EVENT_COLUMNS)
-    return (f"arrayConcat(arrayFilter(field -> field.2 != 'null' AND field.1 NOT IN "
-            f"({columns}), JSONExtractKeysAndValuesRaw(event)), "
-            "arrayZip(mapKeys(event_extra), mapValues(event_extra)))")
+#: the column the canonical JSON writes last (the base model's last field: the mirror
+#: writes the tag, then the base model's fields, then the type's own)
+LAST_COLUMN = list(EventBase.model_fields)[-1]
+
+
+def _payload_check() -> None:
+    """What :func:`payload`'s cut relies on: the columns are the tag and the base
+    model's fields, and the last of them is a plain string, which the mirror's encoder
+    always writes (it leaves out nulls only)."""
+    if set(EVENT_COLUMNS) != {"event_type", *EventBase.model_fields}:
+        raise TypeError("the events columns must be event_type and the base model's fields")
+    if EventBase.model_fields[LAST_COLUMN].annotation is not str:
+        raise TypeError(f"the base model's last field {LAST_COLUMN!r} must be a plain str")
+
+
+@dataclass(frozen=True)
+class Payload:
+    """``payload``'s SQL over ``event`` (one canonical event object) and ``event_extra``:
+    the aliases it needs (``WITH``), when the cut applies, the cut, the exact path."""
+
+    aliases: tuple[str, ...]
+    cut_applies: str
+    cut: str
+    exact: str
+
+    @property
+    def expression(self) -> str:
+        return f"if({self.cut_applies}, {self.cut}, {self.exact})"
+
+
+def payload() -> Payload:
+    """``payload``: every non-null field that is not a column, then the extras, as one
+    JSON object in the event's order and its encoder's spelling (``0.0``).
+
+    The cut (every event the msgspec mirror encoded, so nearly all): the object after
+    its last column. The mirror writes the tag first, then the columns, then the type's
+    own fields, and leaves nulls out; in an event with no backslash no quote is inside a
+    string, so the first quote after the last column's value opens closes it.
+
+    The exact path (pydantic's order, nulls written, escapes, extras): the columns and
+    the nulls deleted by a regular expression, the extras appended. A quote-delimited
+    key followed by ``:`` cannot begin inside a string, where every quote is escaped.
+
+    Parsing each event's keys and values again for this cost the store ~4.7 µs an event
+    of its ~13 (docs/performance.md)."""
+    _payload_check()
+    columns = "|".join(EVENT_COLUMNS)
+    columns_and_nulls = (rf'"(?:{columns})":(?:"(?:[^"\\]|\\.)*"|null),?'
+                         r'|"[a-z0-9_]+":null,?')
+    last = f',"{LAST_COLUMN}":"'
+    aliases = (
+        f"position(event, {_sql_string(last)}) AS last_column_at",
+        f"position(event, '\"', last_column_at + {len(last)}) AS last_column_end",
+        f"replaceRegexpOne(replaceRegexpAll(event, {_sql_string(columns_and_nulls)}, ''), "
+        "',}$', '}') AS own_fields",
+    )
+    tag_first = _sql_string('{"event_type":')
+    backslash = _sql_string("\\")
+    cut_applies = (f"startsWith(event, {tag_first}) AND position(event, {backslash}) = 0 "
+                   "AND position(event, ':null') = 0 AND empty(event_extra) "
+                   "AND last_column_at > 0")
+    cut = ("if(substring(event, last_column_end + 1, 1) = '}', '{}', "
+           "concat('{', substring(event, last_column_end + 2)))")
+    exact = ("if(empty(event_extra), own_fields, concat(if(own_fields = '{}', '{', "
+             "concat(substring(own_fields, 1, length(own_fields) - 1), ',')), "
+             "arrayStringConcat(arrayMap((key, value) -> concat(toJSONString(key), ':', "
+             "value), mapKeys(event_extra), mapValues(event_extra)), ','), '}'))")
+    return Payload(aliases, cut_applies, cut, exact)
 
 
 def render(settings: Settings, prices: PriceTable | None = None) -> Rendered:
@@ -337,18 +398,19 @@ def render(settings: Settings, prices: PriceTable | None = None) -> Rendered:
            "    ingested_at DateTime64(3, 'UTC')"])
     # by position, not ``c.name``: the analyzer resolves each element name anew (1.7 ms
     # of every insert each, 90 of the view's ~100 ms fixed cost), a position in 0.3 ms
+    event_payload = payload()
     parse = ",\n".join(
         [f"    {fields[name].convert.format(f'tupleElement(c, {place})')} AS {PREFIX}{name}"
          for place, name in enumerate(used, start=1)]
-        + ["    concat('{', arrayStringConcat(arrayMap(field -> concat(toJSONString("
-           "field.1), ':', field.2), payload_fields), ','), '}') AS payload",
+        + [f"    {event_payload.expression} AS payload",
            "    event_extra AS extras", "    kafka_partition", "    kafka_offset",
            "    ingested_at"])
     creates = [
         f"CREATE TABLE IF NOT EXISTS {PARSED}\n(\n{parsed_columns}\n)\nENGINE = Null",
         f"CREATE MATERIALIZED VIEW IF NOT EXISTS {PARSE_VIEW} TO {PARSED} AS\nWITH\n"
         f"    JSONExtract(event, 'Tuple({tuple_type})') AS c,\n"
-        f"    {_payload_fields()} AS payload_fields\nSELECT\n{parse}\n"
+        + ",\n".join(f"    {alias}" for alias in event_payload.aliases)
+        + f"\nSELECT\n{parse}\n"
         f"FROM {tables.EVENTS_IN}\nARRAY JOIN\n    event_objects AS event,\n"
         "    arrayResize(event_extras, length(event_objects)) AS event_extra",
     ]

@@ -825,7 +825,9 @@ ENGINE = Null;
 CREATE MATERIALIZED VIEW IF NOT EXISTS loopwatch.events_in_parse ON CLUSTER loopwatch TO loopwatch.events_parsed AS
 WITH
     JSONExtract(event, 'Tuple(agent String, agent_version String, args_hash Nullable(String), attempt Int64, cache_creation_input_tokens Int64, cache_read_input_tokens Int64, cache_ttl String, cost_usd Nullable(Float64), deployment String, error_type Nullable(String), event_id String, event_type String, hallucination Nullable(UInt8), history_hash Nullable(String), http_status Nullable(Int64), input_tokens Int64, label_source String, late_completion_ms Nullable(Float64), latency_ms Float64, logical_op_id Nullable(String), model String, output_tokens Int64, parent_span_id Nullable(String), prompt_version String, provider String, purpose String, quality_score Nullable(Float64), response_model String, result_count Nullable(Int64), result_size_bytes Nullable(Int64), run_id String, schema_version String, span_id Nullable(String), step Nullable(Int64), stop_reason Nullable(String), system_prompt_hash Nullable(String), task_type String, timed_out UInt8, timeout_ms Nullable(Float64), token_convention String, tool Nullable(String), tools_hash Nullable(String), trace_id Nullable(String), traffic_slice String, ts String, ttft_ms Nullable(Float64), verdict String, worker_id String)') AS c,
-    arrayConcat(arrayFilter(field -> field.2 != 'null' AND field.1 NOT IN ('event_id', 'event_type', 'schema_version', 'ts', 'run_id', 'trace_id', 'span_id', 'parent_span_id', 'agent', 'agent_version', 'task_type', 'model', 'prompt_version', 'deployment', 'traffic_slice', 'worker_id'), JSONExtractKeysAndValuesRaw(event)), arrayZip(mapKeys(event_extra), mapValues(event_extra))) AS payload_fields
+    position(event, ',"worker_id":"') AS last_column_at,
+    position(event, '"', last_column_at + 14) AS last_column_end,
+    replaceRegexpOne(replaceRegexpAll(event, '"(?:event_id|event_type|schema_version|ts|run_id|trace_id|span_id|parent_span_id|agent|agent_version|task_type|model|prompt_version|deployment|traffic_slice|worker_id)":(?:"(?:[^"\\\\]|\\\\.)*"|null),?|"[a-z0-9_]+":null,?', ''), ',}$', '}') AS own_fields
 SELECT
     tupleElement(c, 1) AS f_agent,
     tupleElement(c, 2) AS f_agent_version,
@@ -875,7 +877,7 @@ SELECT
     tupleElement(c, 46) AS f_ttft_ms,
     tupleElement(c, 47) AS f_verdict,
     tupleElement(c, 48) AS f_worker_id,
-    concat('{', arrayStringConcat(arrayMap(field -> concat(toJSONString(field.1), ':', field.2), payload_fields), ','), '}') AS payload,
+    if(startsWith(event, '{"event_type":') AND position(event, '\\') = 0 AND position(event, ':null') = 0 AND empty(event_extra) AND last_column_at > 0, if(substring(event, last_column_end + 1, 1) = '}', '{}', concat('{', substring(event, last_column_end + 2))), if(empty(event_extra), own_fields, concat(if(own_fields = '{}', '{', concat(substring(own_fields, 1, length(own_fields) - 1), ',')), arrayStringConcat(arrayMap((key, value) -> concat(toJSONString(key), ':', value), mapKeys(event_extra), mapValues(event_extra)), ','), '}'))) AS payload,
     event_extra AS extras,
     kafka_partition,
     kafka_offset,
@@ -1059,4 +1061,4 @@ CREATE TABLE IF NOT EXISTS loopwatch.generated_views ON CLUSTER loopwatch
 ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/all/{database}/generated_views', '{replica}', applied_at)
 ORDER BY name;
 
-INSERT INTO loopwatch.generated_views (name, content_hash, applied_at) VALUES ('event_views', 'f9d7a8b97f59a45bc027f944ac1a4b65984bc67a132490e6658cea8cc62d3637', now64(3)), ('event_views.structure', 'eb5ee17f5104c9e0c981aac22c4c71a4c66e334ce9a873fcad003a93e88f45ec', now64(3));
+INSERT INTO loopwatch.generated_views (name, content_hash, applied_at) VALUES ('event_views', 'c27c126a7bf166a0b78f1153b4dd8f5069d46095bac001073261870d9ca11292', now64(3)), ('event_views.structure', '6b7dc8042d8f546534a2f976bb1afb80ef4db04ee120ac56fd32a7f16f568049', now64(3));

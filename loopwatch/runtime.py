@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import logging
 import os
 import signal
@@ -602,7 +603,7 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
 
         def status() -> dict[str, Any]:
             outbox = detectors.outbox
-            return {"counters": vars(processor.pipeline.counters),
+            return {"counters": dataclasses.asdict(processor.pipeline.counters),
                     "sink_failures": processor.sink.failures,
                     "rereads": processor.continuity.counts(),
                     **processor.kafka_write_counters(),

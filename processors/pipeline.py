@@ -42,6 +42,7 @@ from typing import Any, ClassVar, Protocol
 
 import msgspec
 import orjson
+from mypy_extensions import mypyc_attr
 
 from loopwatch.core.config import Settings
 from loopwatch.ingest.attribution import EXPLICIT, claim_of
@@ -146,6 +147,7 @@ class Work:
     dead: list[DeadLetterRecord] = field(default_factory=list)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # the reference folds (bench, tests)
 class Pipeline:
     #: decode messages the msgspec mirror accepts into its structs, not models (the
     #: fold reads fields only); a reference fold over models sets it False

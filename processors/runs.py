@@ -27,6 +27,7 @@ fold into it when they come, so the label is applied once, as if it came last.
 
 from __future__ import annotations
 
+import ast
 import base64
 import sys
 import types
@@ -47,6 +48,7 @@ from loopwatch.ingest.events import (
     ToolCall,
 )
 from loopwatch.ingest.structs import CLAIM_MIRRORS, MIRRORS
+from loopwatch.processors import native
 
 SEEN_EVENT_IDS = 4096
 #: up to this many seen ids are kept packed in one ``bytes``
@@ -209,14 +211,26 @@ def _accepted_types(hint: Any) -> tuple[type, ...]:
     """The classes a JSON-read value of a field may have: a float field takes an int
     (JSON does not tell 1.0 from 1)."""
     accepted: list[type] = []
-    for part in typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,):
+    union = typing.get_origin(hint) in (types.UnionType, typing.Union)
+    for part in typing.get_args(hint) if union else (hint,):
         cls = typing.get_origin(part) or part
         accepted.extend((float, int) if cls is float else (cls,))
     return tuple(accepted)
 
 
-_FIELD_TYPES = {name: _accepted_types(hint)
-                for name, hint in typing.get_type_hints(RunState).items()}
+def _declared_types() -> dict[str, Any]:
+    """:class:`RunState`'s field annotations, read from this module's source: a compiled
+    build (:mod:`loopwatch.processors.native`) keeps ``type`` for every one that is not
+    a plain class, so they cannot be read off the class."""
+    tree = ast.parse((native.HERE / "runs.py").read_text())
+    (body,) = (node.body for node in tree.body
+               if isinstance(node, ast.ClassDef) and node.name == RunState.__name__)
+    return {node.target.id: eval(ast.unparse(node.annotation), globals())
+            for node in body
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+
+
+_FIELD_TYPES = {name: _accepted_types(hint) for name, hint in _declared_types().items()}
 
 
 def _check_types(values: dict[str, Any]) -> None:

@@ -10,18 +10,24 @@ the changelog is adopted: folding on from it ends where the old fold ends.
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import orjson
 import pytest
 
 from loopwatch.bench.fold import bench_messages, changelogged_store
 from loopwatch.bench.fold_reference import ReferencePipeline
 from loopwatch.core.config import Settings
+from loopwatch.processors import FOLD_BUILD
 from loopwatch.processors.app import chunks
 from loopwatch.processors.jobs.reprocess import MemoryRunStore
+from loopwatch.processors.native import PURE_ENV
 from loopwatch.processors.pipeline import Pipeline, RawMessage, Work
 from loopwatch.processors.rows import run_row
 from loopwatch.processors.runs import RunState
@@ -176,3 +182,50 @@ def test_a_changelog_value_of_the_build_before_reads_back() -> None:
     assert orjson.dumps(state.to_dict()) == value[:-1] + (
         b',"folded_offset":-1,"folded_since_ms":0}')
     assert copy.copy(state).outcome == ""
+
+
+_FOLD_FROM_FILE = """
+import dataclasses, sys, msgspec, orjson
+from loopwatch.processors import FOLD_BUILD
+from loopwatch.processors.pipeline import Pipeline, RawMessage
+from tests.test_fold_identity import _fold, _states
+with open(sys.argv[1], "rb") as file:
+    messages = [RawMessage(*fields) for fields in msgspec.msgpack.decode(file.read())]
+pipeline, rows = _fold(Pipeline, messages)
+sys.stdout.buffer.write(orjson.dumps({
+    "build": FOLD_BUILD, "rows": [row.decode() for row in rows], "states": _states(pipeline),
+    "counters": dataclasses.asdict(pipeline.counters)}))
+"""
+
+
+def _fold_elsewhere(messages: list[RawMessage], tmp_path: Path, pure: bool) -> dict[str, Any]:
+    path = tmp_path / "messages.msgpack"
+    path.write_bytes(msgspec.msgpack.encode([(message.topic, message.partition, message.offset,
+                                              message.value) for message in messages]))
+    env = {key: value for key, value in os.environ.items() if key != PURE_ENV}
+    done = subprocess.run([sys.executable, "-c", _FOLD_FROM_FILE, str(path)],
+                          env={**env, PURE_ENV: "1"} if pure else env,
+                          cwd=Path(__file__).resolve().parent.parent, capture_output=True,
+                          check=True, timeout=300)
+    return dict(orjson.loads(done.stdout))
+
+
+@pytest.mark.skipif(os.environ.get(PURE_ENV) == "1", reason="installed without compiling")
+def test_this_install_folds_with_the_compiled_build() -> None:
+    """The README's install compiles the fold (setup.py); a stale build would say so."""
+    assert FOLD_BUILD == "compiled"
+
+
+def test_the_compiled_fold_and_its_sources_fold_alike(messages: list[RawMessage],
+                                                      tmp_path: Path) -> None:
+    """The same messages folded by the compiled modules and by their sources
+    (``LOOPWATCH_PURE_PYTHON=1``), each in a process of its own: every row, state and
+    counter is identical."""
+    compiled = _fold_elsewhere(messages, tmp_path, pure=False)
+    sources = _fold_elsewhere(messages, tmp_path, pure=True)
+    assert sources["build"] == "sources (LOOPWATCH_PURE_PYTHON=1)"
+    assert compiled["build"] == FOLD_BUILD
+    assert len(compiled["states"]) > 1000 and compiled["counters"]["duplicates"] > 0
+    assert compiled["rows"] == sources["rows"]
+    assert compiled["states"] == sources["states"]
+    assert compiled["counters"] == sources["counters"]

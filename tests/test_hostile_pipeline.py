@@ -657,12 +657,13 @@ def test_an_event_the_fold_raises_on_is_a_dead_letter_and_is_applied_when_replay
 
 
 def damaged_state(run_id: str, last_ms: int) -> RunState:
-    """An open run's state the pipeline raises on: a start time that is not a number.
-    ``RunState.from_dict`` refuses such a state from the changelog or ClickHouse (see
-    ``test_changelog.py``), so this one is built directly: the guards are for damage
-    no reader foresaw."""
+    """An open run's state the pipeline raises on: a start time no date has (in the year
+    31,690,708). It has the field's type, which is all ``RunState.from_dict`` checks of
+    a state from the changelog or ClickHouse (``test_changelog.py``) and all the
+    compiled class can (it refuses a value of another type when it is built): the
+    guards are for damage no reader foresaw."""
     return RunState(run_id=run_id, partition=0, agent="hostile-damaged", first_ms=last_ms,
-                    last_ms=last_ms, started_ms="at dawn", steps=3)  # type: ignore[arg-type]
+                    last_ms=last_ms, started_ms=10**18, steps=3)
 
 
 def test_a_damaged_run_state_costs_its_own_run_not_the_batch_nor_the_sweep(hostile_db):

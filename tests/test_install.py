@@ -7,6 +7,7 @@ import Emitter`` load none of them.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import venv
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from loopwatch.core.embedded.broker import EmbeddedBroker
+from loopwatch.processors.native import PURE_ENV
 from loopwatch.store.reader import ServiceReader
 from tests.conftest import stored_events, wait_stored
 
@@ -75,12 +77,16 @@ def test_sdk_only_install(tmp_path: Path, broker: EmbeddedBroker, reader: Servic
                           agent: str) -> None:
     """``pip install <the wheel>`` into an empty venv, dependencies from the configured
     index: the SDK imports and the heavy stack is absent; an agent there emits runs the
-    pipeline stores; the CLI says what to install."""
+    pipeline stores; the CLI says what to install. The wheel is built without the
+    compiled fold (``LOOPWATCH_PURE_PYTHON=1``, ``setup.py``), which the SDK never
+    imports: a plain wheel for any platform, and the opt-out build tested."""
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(ROOT),
                     "-w", str(tmp_path / "dist")], check=True, timeout=600,
-                   capture_output=True)
-    wheel = next((tmp_path / "dist").glob("loopwatch-*.whl"))
-    tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+                   capture_output=True, env={**os.environ, PURE_ENV: "1"})
+    wheel = next((tmp_path / "dist").glob("loopwatch-*-py3-none-any.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert not [name for name in names if name.endswith(".so")]
+    tops = {name.split("/")[0] for name in names}
     assert sorted(tops) == ["loopwatch", f"{wheel.name.split('-py3')[0]}.dist-info"]
     # an empty venv, not even pip (ensurepip costs ~10 s): this pip installs into it
     venv.create(tmp_path / "sdk", with_pip=False)

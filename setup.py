@@ -27,6 +27,8 @@ if os.environ.get(native["PURE_ENV"]) != "1":
     ext_modules = mypycify(
         ["--config-file", str(ROOT / "setup_mypyc.ini"), *sources],
         opt_level="3", group_name=native["GROUP"])
+    for extension in ext_modules:  # no C compiler: install the sources, which run as they are
+        extension.optional = True
     (ROOT / "processors" / native["BUILT"]).write_text(
         json.dumps(native["source_hashes"](ROOT / "processors"), indent=1) + "\n")
 

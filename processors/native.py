@@ -29,8 +29,9 @@ from types import ModuleType
 
 #: the modules compiled, in this package (they import each other, not the other way)
 COMPILED = ("runs", "rows", "attribution", "pipeline")
-#: the shared library mypyc builds for the group, in this package
+#: the group mypyc builds, in this package, and its shared library's module name
 GROUP = "loopwatch.processors._fold"
+GROUP_LIBRARY = GROUP.rsplit(".", 1)[1] + "__mypyc"
 #: what the build writes beside the sources: each compiled module's source hash
 BUILT = "native_build.json"
 #: set to 1: build without compiling, or run from source with a compiled build
@@ -61,14 +62,19 @@ def why_sources(folder: Path, environ: Mapping[str, str]) -> str | None:
     >>> import tempfile
     >>> with tempfile.TemporaryDirectory() as tmp:
     ...     folder = Path(tmp)
+    ...     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     ...     for name in COMPILED:
     ...         _ = (folder / f"{name}.py").write_text(name)
-    ...         _ = (folder / f"{name}{importlib.machinery.EXTENSION_SUFFIXES[0]}").write_text("")
+    ...         _ = (folder / f"{name}{suffix}").write_text("")
+    ...     incomplete = why_sources(folder, {})
+    ...     _ = (folder / f"{GROUP_LIBRARY}{suffix}").write_text("")
     ...     no_record = why_sources(folder, {})
     ...     _ = (folder / BUILT).write_text(json.dumps(source_hashes(folder)))
     ...     fresh, pure = why_sources(folder, {}), why_sources(folder, {PURE_ENV: "1"})
     ...     _ = (folder / "runs.py").write_text("edited")
     ...     stale = why_sources(folder, {})
+    >>> incomplete
+    'the compiled build lacks _fold__mypyc'
     >>> no_record, fresh, pure
     ('no record of the sources built', None, 'LOOPWATCH_PURE_PYTHON=1')
     >>> stale
@@ -78,6 +84,9 @@ def why_sources(folder: Path, environ: Mapping[str, str]) -> str | None:
         return None
     if environ.get(PURE_ENV) == "1":
         return f"{PURE_ENV}=1"
+    missing = [name for name in (*COMPILED, GROUP_LIBRARY) if not _extension(folder, name)]
+    if missing:  # an extension that failed to build (they are optional: setup.py)
+        return f"the compiled build lacks {', '.join(missing)}"
     try:
         built = json.loads((folder / BUILT).read_text())
     except (OSError, ValueError):

@@ -3,20 +3,19 @@ workers): finding them and stopping them."""
 
 from __future__ import annotations
 
-import contextlib
 import subprocess
 from pathlib import Path
 from typing import Any
 
 
 def children(pid: int) -> list[int]:
-    """The live children of ``pid``, whichever of its threads started them (Linux's
-    ``/proc/PID/task/TID/children``); none once ``pid`` is gone."""
-    found: list[int] = []
-    for listing in Path(f"/proc/{pid}/task").glob("*/children"):
-        with contextlib.suppress(OSError):
-            found.extend(int(child) for child in listing.read_text().split())
-    return found
+    """The live children of ``pid``, whichever of its threads started them: every
+    process whose parent is ``pid`` (``/proc/PID/stat`` names the parent process, not
+    its thread); none once ``pid`` is gone. The per-thread listings
+    (``/proc/PID/task/TID/children``) missed a child while the thread that had started
+    it was exiting and the child moved to another of its threads."""
+    return [int(entry.name) for entry in Path("/proc").iterdir()
+            if entry.name.isdigit() and parent_of(int(entry.name)) == pid]
 
 
 def parent_of(pid: int) -> int | None:

@@ -80,11 +80,11 @@ def why_sources(folder: Path, environ: Mapping[str, str]) -> str | None:
     >>> stale
     'runs.py changed since the build'
     """
-    if not any(_extension(folder, name) for name in COMPILED):
+    missing = [name for name in (*COMPILED, GROUP_LIBRARY) if not _extension(folder, name)]
+    if set(COMPILED) <= set(missing):
         return None
     if environ.get(PURE_ENV) == "1":
         return f"{PURE_ENV}=1"
-    missing = [name for name in (*COMPILED, GROUP_LIBRARY) if not _extension(folder, name)]
     if missing:  # an extension that failed to build (they are optional: setup.py)
         return f"the compiled build lacks {', '.join(missing)}"
     try:
@@ -96,17 +96,34 @@ def why_sources(folder: Path, environ: Mapping[str, str]) -> str | None:
     return f"{', '.join(changed)} changed since the build" if changed else None
 
 
+def _source_spec(fullname: str) -> importlib.machinery.ModuleSpec:
+    """The spec of compiled module ``fullname`` (``<package>.<name>``) from its ``.py``."""
+    spec = importlib.util.spec_from_file_location(
+        fullname, HERE / (fullname.rsplit(".", 1)[1] + ".py"))
+    assert spec is not None
+    return spec
+
+
+def load_source(fullname: str) -> ModuleType:
+    """Compiled module ``fullname`` run once more from its ``.py``, beside the build
+    imported and not in ``sys.modules``: what a compiled build does not keep (its
+    annotations, its docstrings' examples) read from the source."""
+    spec = _source_spec(fullname)
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module
+
+
 class _Sources(importlib.abc.MetaPathFinder):
     """Finds the compiled modules' ``.py`` files ahead of their extensions."""
 
-    def __init__(self, package: str, folder: Path) -> None:
-        self.names = {f"{package}.{name}": folder / f"{name}.py" for name in COMPILED}
+    def __init__(self, package: str) -> None:
+        self.names = {f"{package}.{name}" for name in COMPILED}
 
     def find_spec(self, fullname: str, path: Sequence[str] | None = None,
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        source = self.names.get(fullname)
-        return None if source is None else importlib.util.spec_from_file_location(
-            fullname, source)
+        return _source_spec(fullname) if fullname in self.names else None
 
 
 def prefer_sources_when_stale(package: str) -> str:
@@ -116,7 +133,7 @@ def prefer_sources_when_stale(package: str) -> str:
     if why is None:
         return "compiled" if _extension(HERE, COMPILED[0]) else "interpreted"
     if not any(isinstance(finder, _Sources) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _Sources(package, HERE))
+        sys.meta_path.insert(0, _Sources(package))
     if os.environ.get(PURE_ENV) != "1":
         log.warning("the fold's compiled modules are not used: %s (rebuild: pip install "
                     "-e .)", why)

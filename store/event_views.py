@@ -347,7 +347,8 @@ def payload() -> Payload:
     The cut (every event the msgspec mirror encoded, so nearly all): the object after
     its last column. The mirror writes the tag first, then the columns, then the type's
     own fields, and leaves nulls out; in an event with no backslash no quote is inside a
-    string, so the first quote after the last column's value opens closes it.
+    string, so the first quote after the one that opens the last column's value closes
+    it.
 
     The exact path (pydantic's order, nulls written, escapes, extras): the columns and
     the nulls deleted by a regular expression, the extras appended. A quote-delimited

@@ -15,7 +15,6 @@ import importlib.util
 import io
 import pkgutil
 import sys
-from types import ModuleType
 
 import pytest
 
@@ -34,17 +33,6 @@ def _unimportable(name: str) -> None:
     raise ImportError(f"cannot walk {name}")
 
 
-def _source_copy(name: str) -> ModuleType:
-    """A module run from its ``.py`` file, beside (not instead of) its compiled build,
-    whose functions carry no examples a finder can read."""
-    spec = importlib.util.spec_from_file_location(
-        name, native.HERE / (name.rsplit(".", 1)[1] + ".py"))
-    assert spec is not None and spec.loader is not None
-    copy = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(copy)
-    return copy
-
-
 def _doctests() -> list[doctest.DocTest]:
     finder = doctest.DocTestFinder()
     found = []
@@ -52,7 +40,7 @@ def _doctests() -> list[doctest.DocTest]:
     for name in _modules():
         module = importlib.import_module(name)
         if name in compiled:  # the finder keeps what sys.modules says is from the module
-            sys.modules[name] = _source_copy(name)
+            sys.modules[name] = native.load_source(name)
         try:
             found += [test for test in finder.find(sys.modules[name], name) if test.examples]
         finally:

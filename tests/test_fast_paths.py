@@ -193,18 +193,10 @@ def test_the_deadline_index_abandons_exactly_the_expired_runs_even_after_a_rebui
 def test_run_state_field_types_are_read_from_the_source_as_python_reads_them() -> None:
     """A compiled build keeps ``type`` for RunState's annotations, so the changelog's type
     check reads them from runs.py: the same as ``get_type_hints`` of the source."""
-    import importlib.util
     import typing
 
     from loopwatch.processors import native, runs
 
-    spec = importlib.util.spec_from_file_location("runs_source", native.HERE / "runs.py")
-    assert spec is not None and spec.loader is not None
-    source = sys.modules["runs_source"] = importlib.util.module_from_spec(spec)
-    try:  # a dataclass looks its module up while it is built
-        spec.loader.exec_module(source)
-        hints = typing.get_type_hints(source.RunState)
-    finally:
-        del sys.modules["runs_source"]
+    hints = typing.get_type_hints(native.load_source(runs.__name__).RunState)
     assert runs._declared_types() == {name: hints[name] for name in runs._declared_types()}
     assert hints["started_ms"] == int | None and set(hints) == set(runs._FIELD_TYPES)

@@ -14,7 +14,7 @@ from loopwatch.core.config import Settings
 from loopwatch.core.embedded.broker import EmbeddedBroker
 from loopwatch.ingest.sdk import Emitter, RunContext
 from loopwatch.upprocess import UpProcess
-from tests.conftest import scalar, stored_events, wait_for, wait_stored
+from tests.conftest import scalar, stored_events, wait_for, wait_stored, wait_while_progressing
 from tests.test_capture import reassemble, wait_decided
 
 RUNS = 1500
@@ -43,6 +43,11 @@ def offsets(bootstrap: str) -> tuple[dict[int, int], dict[int, int]]:
         return ends, committed
     finally:
         consumer.close()
+
+
+def progress(broker: EmbeddedBroker, pipeline: UpProcess) -> object:
+    """What moves while the processors work: the committed offsets and their counters."""
+    return offsets(broker.bootstrap)[1], pipeline.health()["counters"]
 
 
 def test_processor_killed_mid_stream_loses_nothing_and_counts_nothing_twice(
@@ -118,8 +123,9 @@ def test_store_unavailable_processors_wait_and_lose_nothing(
     stranded.step()
     assert emitter.flush(30)
     wait_stored(reader, agent, 2, timeout_s=60)
-    wait_for(lambda: operator.eq(*offsets(broker.bootstrap)), 30,
-             what="the open run's offsets to be committed")
+    wait_while_progressing(lambda: operator.eq(*offsets(broker.bootstrap)),
+                           lambda: progress(broker, pipeline),
+                           what="the open run's offsets to be committed")
     before_outage, _ = offsets(broker.bootstrap)
     marker.touch()
     try:
@@ -151,9 +157,10 @@ def test_store_unavailable_processors_wait_and_lose_nothing(
     pipeline.start()
     wait_stored(reader, agent, 205, timeout_s=120)
     assert stored_events(reader, agent) == 205
-    wait_for(lambda: all(committed >= ends[p] for p, committed
-                         in offsets(broker.bootstrap)[1].items()), 30,
-             what="the stored events' offsets to be committed")
+    wait_while_progressing(lambda: all(committed >= ends[p] for p, committed
+                                       in offsets(broker.bootstrap)[1].items()),
+                           lambda: progress(broker, pipeline),
+                           what="the stored events' offsets to be committed")
 
     def run_rows() -> list[object]:
         """Run rows are written once per batch, after its events: wait for them too."""

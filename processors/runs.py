@@ -129,16 +129,42 @@ class RunState:
     folded_since_ms: int = 0
 
     def to_dict(self, with_seen: bool = True) -> dict[str, Any]:
-        """A JSON-able dict; ``dataclasses.asdict`` deep-copies every value, ~10x slower.
+        """A JSON-able dict; ``dataclasses.asdict`` deep-copies every value, ~10x slower,
+        and a ``getattr`` loop over the fields costs the compiled fold 3.3 µs a state
+        against ~1 written out (twice per run per settle: changelog and ``runs.state``).
+        Every field, in the class's order:
+
+        >>> list(RunState("r", 0).to_dict()) == list(_FIELDS)
+        True
 
         ``with_seen=False`` leaves the seen event ids out (``seen`` is ""): that is the
         form the ``runs`` table keeps, where they were two thirds of the row's bytes and
         the ``events`` table already holds them (see :func:`seen_from_ids`).
         """
-        data = {name: getattr(self, name) for name in _FIELDS}
-        data["recent_actions"] = list(self.recent_actions or ())
-        data["seen"] = base64.b64encode(_packed(self.seen)).decode() if with_seen else ""
-        return data
+        return {
+            "run_id": self.run_id, "partition": self.partition, "agent": self.agent,
+            "agent_version": self.agent_version, "task_type": self.task_type,
+            "model": self.model, "prompt_version": self.prompt_version,
+            "deployment": self.deployment, "traffic_slice": self.traffic_slice,
+            "worker_id": self.worker_id, "started_ms": self.started_ms,
+            "first_ms": self.first_ms, "last_ms": self.last_ms, "end_ms": self.end_ms,
+            "abandoned_ms": self.abandoned_ms, "time_cap_s": self.time_cap_s,
+            "terminal_reason": self.terminal_reason, "cap": self.cap,
+            "verdict": self.verdict, "label_source": self.label_source,
+            "steps": self.steps, "llm_calls": self.llm_calls,
+            "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
+            "llm_errors": self.llm_errors, "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+            "cache_read_tokens": self.cache_read_tokens,
+            "cache_creation_tokens": self.cache_creation_tokens,
+            "cost_usd": self.cost_usd, "reported_cost_usd": self.reported_cost_usd,
+            "loop_detected": self.loop_detected, "loop_summary": self.loop_summary,
+            "recent_actions": list(self.recent_actions or ()),
+            "seen": base64.b64encode(_packed(self.seen)).decode() if with_seen else "",
+            "version": self.version, "agent_rank": self.agent_rank,
+            "agent_named_at": self.agent_named_at, "awaiting_run": self.awaiting_run,
+            "folded_offset": self.folded_offset, "folded_since_ms": self.folded_since_ms,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunState:
@@ -420,7 +446,7 @@ def apply_event(
     >>> [apply_event(s, c) for c in calls], s.loop_detected, apply_event(s, calls[0])
     ([True, True, True], True, False)
     """
-    if not remember(state, event.event_id.bytes):
+    if not remember(state, event.event_id.int.to_bytes(16, "big")):  # UUID.bytes, in C
         return False
     if when is None:
         when = ms(event)

@@ -57,7 +57,7 @@ from loopwatch.store.reader import (
 from loopwatch.store.remote_sink import INSERT_PATH, ServiceSink, decode_batch
 from loopwatch.store.revisions import REVISIONS_TABLE
 from loopwatch.store.service import StoreService
-from loopwatch.store.sink import INSERTS, ClickHouseSink, FaultInjectingSink, RowBatch, Sink
+from loopwatch.store.sink import ClickHouseSink, FaultInjectingSink, RowBatch, Sink
 from loopwatch.store.sizecap import start_size_cap, storage_report
 
 log = logging.getLogger(__name__)
@@ -605,7 +605,7 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
             outbox = detectors.outbox
             return {"counters": dataclasses.asdict(processor.pipeline.counters),
                     "sink_failures": processor.sink.failures,
-                    "last_insert_at": INSERTS.last,
+                    "events_stored_at": processor.events_stored_at,
                     "rereads": processor.continuity.counts(),
                     **processor.kafka_write_counters(),
                     "caught_up": processor.caught_up(),

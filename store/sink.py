@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -158,31 +157,6 @@ def refused_letter(table: str, row: dict[str, Any], exc: Exception) -> dict[str,
         str(row.get("run_id") or ""), encode_rows([row])[1:-1], datetime.now(UTC))
 
 
-class InsertClock:
-    """When this process's store last accepted an insert (wall clock, ``time.time()``),
-    whichever sink made it: the processor's, or the insert endpoint's for the extra
-    workers. ``loopwatch bench`` closes its window on it rather than on the poll that
-    first sees the rows, which comes up to a poll period (and the poll's own query)
-    later.
-
-    >>> clock = InsertClock()
-    >>> clock.last is None
-    True
-    >>> clock.accepted(); clock.last > 0
-    True
-    """
-
-    def __init__(self) -> None:
-        self.last: float | None = None
-
-    def accepted(self) -> None:
-        self.last = time.time()
-
-
-#: the process's insert clock (one chdb store per process; a server's inserts likewise)
-INSERTS = InsertClock()
-
-
 class ClickHouseSink:
     """Inserts each table's rows in one statement. At-least-once; idempotent by keys.
 
@@ -291,7 +265,6 @@ class ClickHouseSink:
             return
         self._client.raw_insert(table, insert_block=data, fmt="JSONEachRow",
                                 settings=self._insert_settings)
-        INSERTS.accepted()
 
 
 class FaultInjectingSink:

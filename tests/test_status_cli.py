@@ -3,6 +3,8 @@ line and exit 1 when no ``up`` runs on the data dir."""
 
 from __future__ import annotations
 
+import time
+
 import orjson
 import pytest
 
@@ -32,6 +34,8 @@ def test_status_names_the_running_ups_parts_and_counts(tmp_path):
     up.env = {key: value for key, value in up.env.items() if value != ""}
     up.start(timeout_s=180)
     try:
+        assert up.health()["events_stored_at"] is None
+        emitted_at = time.time()
         with Emitter(up.info["kafka_bootstrap"], up.info["events_topic"],
                      spool_dir=tmp_path / "spool") as emitter:
             with emitter.run(agent="status-test", model="gpt-4o") as run:
@@ -39,6 +43,9 @@ def test_status_names_the_running_ups_parts_and_counts(tmp_path):
             assert emitter.flush(30)
         wait_for(lambda: up.health()["counters"]["events"] == 3, 120,
                  what="the run's 3 events processed")
+        stored_at = wait_for(lambda: up.health()["events_stored_at"], 60,
+                             what="the time the store accepted the run's events")
+        assert emitted_at < stored_at <= time.time()
         env = {key: value for key, value in up.env.items()}
         as_json = loopwatch("status", "--json", env=env)
         assert as_json.returncode == 0, as_json.stderr

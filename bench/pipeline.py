@@ -525,8 +525,8 @@ def _stored(up: UpProcess, exact: bool) -> int:
 
 
 def _last_insert(up: UpProcess) -> float:
-    """When ``up``'s processor last had events accepted by its store, on this
-    process's monotonic clock (infinity if it does not say)."""
+    """When ``up``'s store last accepted events, on this process's monotonic clock
+    (infinity if it does not say)."""
     accepted = up.health().get("events_stored_at")
     if accepted is None:
         return math.inf
@@ -534,22 +534,21 @@ def _last_insert(up: UpProcess) -> float:
 
 
 def measure_processing(up: UpProcess, already: int, target: int, progress: Progress,
-                       sample: Callable[[], CpuSample], timeout_s: float = 1800,
-                       only_writer: bool = True) -> dict[str, Any]:
+                       sample: Callable[[], CpuSample], timeout_s: float = 1800
+                       ) -> dict[str, Any]:
     """Poll until ``target`` distinct events are stored (``already`` were there before).
 
     The window opens at the last poll that saw nothing consumed and nothing new stored
     (so start-up and the group join stay out, give or take one poll interval) and
-    closes when ``up``'s processor last had events accepted by its store before the
-    poll that sees the target (``events_stored_at`` of its status; the poll's own time
-    if it has none):
-    that poll comes up to a poll period plus its query later, ~0.3-0.6 s of a 9 s
-    window, while the raw consumer's clock stops at its last record; unless
-    ``only_writer`` is False (another worker stores events too, which ``up`` does not
-    time). ``poll_rate`` is the rate with the window closed at that poll. Also returns the longest stretch without
-    progress inside it, how many cores the machine had busy in it (near all of them:
-    the window was CPU-bound), and the CPU samples (``sample``, taken at every poll) at
-    its opening and its close.
+    closes when ``up``'s store last accepted events (``events_stored_at`` of its status:
+    its processor's, or an extra worker's through its store service), or when the poll
+    that saw the target ended if ``up`` does not say. ``poll_rate`` closes the window
+    where the poll that saw the target began, as before: up to a poll period late, or
+    early by as much as the poll's queries take when the last insert ends during them
+    (the raw consumer's clock stops at its last record). Also returns the longest
+    stretch without progress inside it, how many cores the machine had busy in it (near
+    all of them: the window was CPU-bound), and the CPU samples (``sample``, taken at
+    every poll) at its opening and its close.
     """
     deadline = time.monotonic() + timeout_s
     opened: float | None = None
@@ -566,6 +565,7 @@ def measure_processing(up: UpProcess, already: int, target: int, progress: Progr
         slowest_poll = max(slowest_poll, time.monotonic() - now)
         if stored >= target:
             stored = _stored(up, exact=True)
+        seen_at = time.monotonic()
         if opened is None:
             if stored > already or up.health()["counters"]["messages"] > 0:
                 opened = last_change = before
@@ -581,7 +581,8 @@ def measure_processing(up: UpProcess, already: int, target: int, progress: Progr
         time.sleep(POLL_S)
     assert opened is not None
     polled = now - opened
-    elapsed = min(polled, max(_last_insert(up) - opened, 1e-9)) if only_writer else polled
+    closed_at = min(seen_at, _last_insert(up))
+    elapsed = max(closed_at - opened, 1e-9)
     closed = sample()
     return {"rate": (stored - already) / elapsed, "seconds": elapsed,
             "poll_rate": (stored - already) / polled,
@@ -987,8 +988,7 @@ def run_bench(events: int, workers: int, query_events: int,
                 note(window_note("1 worker", measured, f"up pid {pid}"))
                 note("1 worker " + log_signals(data_one / "logs"))
                 result["pipeline_events_per_s"] = measured["rate"]
-                # as the 2-worker window is closed (at a poll): the two compare alike
-                result["workers"]["1"] = measured["poll_rate"]
+                result["workers"]["1"] = measured["rate"]
                 hwm = _proc_status(pid, "VmHWM")
                 result["processor_peak_rss_mb"] = None if hwm is None else hwm / 2**20
                 total = _stored(up, exact=False)
@@ -1046,8 +1046,7 @@ def run_bench(events: int, workers: int, query_events: int,
                         del messages
                         measured = measure_processing(
                             up, baseline_two, baseline_two + sent, progress,
-                            partial(CpuSample.take, _pid(up), broker.pid or 0, extra.pid),
-                            only_writer=False)
+                            partial(CpuSample.take, _pid(up), broker.pid or 0, extra.pid))
                     finally:
                         terminate(extra, 60)
                 result["workers"]["2"] = measured["rate"]

@@ -45,6 +45,7 @@ from loopwatch.processors.jobs.capture_decide import start_decider
 from loopwatch.processors.jobs.deadletters import replay_pending
 from loopwatch.processors.jobs.reprocess import reprocess_with
 from loopwatch.processors.pipeline import RunLookup
+from loopwatch.processors.rows import EVENTS_IN_TABLE
 from loopwatch.processors.runs import RunState, pending_label_state, seen_from_ids
 from loopwatch.store.clickhouse import connect, migrate
 from loopwatch.store.reader import (
@@ -258,9 +259,12 @@ def _store_reads(reader: Reader, settings: Settings | None = None
     return open_runs, lookup_runs
 
 
-def _insert_action(connect_client: Callable[[], Any]) -> Callable[[bytes], dict[str, Any]]:
+def _insert_action(connect_client: Callable[[], Any],
+                   on_events: Callable[[], None] = lambda: None
+                   ) -> Callable[[bytes], dict[str, Any]]:
     """The owner's side of :class:`loopwatch.store.remote_sink.ServiceSink`: one request
-    is one batch, each table's part inserted as it came (a JSON array, ``JSONEachRow``).
+    is one batch, each table's part inserted as it came (a JSON array, ``JSONEachRow``);
+    ``on_events`` is called once a request's raw events are in.
 
     No global lock: chdb runs inserts from separate connection handles of one process
     concurrently, so each request thread takes a client of its own from a pool (a
@@ -285,6 +289,8 @@ def _insert_action(connect_client: Callable[[], Any]) -> Callable[[bytes], dict[
         finally:
             with pool_lock:
                 idle.append(client)
+        if any(table == EVENTS_IN_TABLE for table, _ in parts):
+            on_events()
         return {"tables": len(parts)}
 
     return insert
@@ -622,7 +628,8 @@ def run_up(settings: Settings, on_ready: Callable[[dict[str, Any]], None] | None
                 admin_client, settings.database, int(body.get("top", 8))),
         }
         raw_actions = {INSERT_PATH.removeprefix("/admin/"):
-                       _insert_action(lambda: connect(settings))}
+                       _insert_action(lambda: connect(settings),
+                                      processor.note_events_stored)}
         service = StoreService(PooledReader(settings), status, settings.service_file,
                                settings.service_socket, actions, raw_actions)
         announcement = {"kafka_bootstrap": bootstrap, "store": store,

@@ -733,10 +733,15 @@ class Processor:
     def _insert(self, rows: RowBatch) -> None:
         """The sink thread's part of a write; notes when the store last accepted
         events (``events_stored_at`` in the status: ``loopwatch bench`` closes its
-        window there rather than at its next poll)."""
+        windows there rather than at a poll)."""
         self.sink.write_batch(rows)
         if rows.tables.get(STREAMED_TABLE):
-            self.events_stored_at = time.time()
+            self.note_events_stored()
+
+    def note_events_stored(self) -> None:
+        """The store accepted raw events: this processor's, or those of an extra
+        worker inserted through this process's store service."""
+        self.events_stored_at = time.time()
 
     async def _finish_write(self, work: Work, rows_accepted: asyncio.Future[None] | None,
                             changes: StateChanges,

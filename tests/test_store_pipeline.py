@@ -260,10 +260,13 @@ def test_rows_through_the_store_service_equal_direct_inserts_and_redelivery_is_h
         store, tmp_path: Path):
     """An extra worker's write path (ServiceSink -> owner's insert action) stores exactly
     what the owner's own sink stores, answers only after the insert, and rejects a batch
-    naming a table it does not take without inserting any of it."""
+    naming a table it does not take without inserting any of it. Each request whose
+    raw events went in is reported (the owner's ``events_stored_at``), a refused one not."""
     settings, client = store
+    events_in: list[int] = []
     service = StoreService(client, lambda: {}, tmp_path / "service.json",
-                           raw_actions={"insert-batch": _insert_action(lambda: connect(settings))})
+                           raw_actions={"insert-batch": _insert_action(
+                               lambda: connect(settings), lambda: events_in.append(1))})
     url = service.start({})
     try:
         sink = ServiceSink(ServiceReader(url))
@@ -277,12 +280,14 @@ def test_rows_through_the_store_service_equal_direct_inserts_and_redelivery_is_h
         assert _rows(client, "remote") == direct
         sink.write_batch(work.rows)  # redelivered after a crash before the commit
         assert _rows(client, "remote") == direct
+        assert events_in == [1, 1]
 
         bad = RowBatch({"events_in": work.rows.tables["events_in"], "system_users": [{"x": 1}]})
         _delete(client, "remote")
         with pytest.raises(QueryError, match="does not take remote inserts"):
             sink.write_batch(bad)
         assert _rows(client, "remote") == []
+        assert events_in == [1, 1]
     finally:
         service.stop()
 

@@ -231,27 +231,27 @@ def wait_for(probe: Callable[[], T], timeout_s: float = 60.0, interval_s: float 
     return value
 
 
-def wait_while_progressing(probe: Callable[[], T], progress: Callable[[], object],
+def wait_while_progressing(observe: Callable[[], T], done: Callable[[T], object],
                            stall_s: float = 30.0, cap_s: float = 300.0,
                            interval_s: float = 0.3, what: str = "condition") -> T:
-    """Poll until ``probe()`` is truthy, failing once ``progress()`` (e.g. committed
-    offsets) has not changed for ``stall_s``, or after ``cap_s`` in all: a wedge fails
-    as fast as with :func:`wait_for`, while a machine too busy to keep up with a fixed
-    deadline still passes as long as the work moves."""
+    """Poll ``observe()`` (e.g. committed offsets and the processor's counters) until
+    ``done`` says so; return the last observation. Fails once the observation has not
+    changed for ``stall_s``, or after ``cap_s`` in all: a wedge fails as fast as with
+    :func:`wait_for`, while a machine too busy to keep up with a fixed deadline still
+    passes as long as the work moves."""
     started = moved = time.monotonic()
-    last = progress()
-    value = probe()
-    while not value:
+    seen = observe()
+    while not done(seen):
         now = time.monotonic()
         if now - moved > stall_s or now - started > cap_s:
             raise AssertionError(f"no progress for {now - moved:.0f}s ({now - started:.0f}s "
-                                 f"in all) waiting for {what}: {value!r}, at {last!r}")
+                                 f"in all) waiting for {what}: at {seen!r}")
         time.sleep(interval_s)
-        current = progress()
-        if current != last:
-            last, moved = current, time.monotonic()
-        value = probe()
-    return value
+        current = observe()
+        if current != seen:
+            moved = time.monotonic()
+        seen = current
+    return seen
 
 
 @pytest.fixture(scope="session")

@@ -45,9 +45,14 @@ def offsets(bootstrap: str) -> tuple[dict[int, int], dict[int, int]]:
         consumer.close()
 
 
-def progress(broker: EmbeddedBroker, pipeline: UpProcess) -> object:
-    """What moves while the processors work: the committed offsets and their counters."""
-    return offsets(broker.bootstrap)[1], pipeline.health()["counters"]
+Offsets = tuple[dict[int, int], dict[int, int]]
+
+
+def progress(broker: EmbeddedBroker, pipeline: UpProcess
+             ) -> tuple[Offsets, dict[str, int]]:
+    """What moves while the processors work: the topic's offsets (end, committed) and
+    the processors' counters, in one observation."""
+    return offsets(broker.bootstrap), pipeline.health()["counters"]
 
 
 def test_processor_killed_mid_stream_loses_nothing_and_counts_nothing_twice(
@@ -123,8 +128,8 @@ def test_store_unavailable_processors_wait_and_lose_nothing(
     stranded.step()
     assert emitter.flush(30)
     wait_stored(reader, agent, 2, timeout_s=60)
-    wait_while_progressing(lambda: operator.eq(*offsets(broker.bootstrap)),
-                           lambda: progress(broker, pipeline),
+    wait_while_progressing(lambda: progress(broker, pipeline),
+                           lambda seen: operator.eq(*seen[0]),
                            what="the open run's offsets to be committed")
     before_outage, _ = offsets(broker.bootstrap)
     marker.touch()
@@ -157,9 +162,9 @@ def test_store_unavailable_processors_wait_and_lose_nothing(
     pipeline.start()
     wait_stored(reader, agent, 205, timeout_s=120)
     assert stored_events(reader, agent) == 205
-    wait_while_progressing(lambda: all(committed >= ends[p] for p, committed
-                                       in offsets(broker.bootstrap)[1].items()),
-                           lambda: progress(broker, pipeline),
+    wait_while_progressing(lambda: progress(broker, pipeline),
+                           lambda seen: all(committed >= ends[p]
+                                            for p, committed in seen[0][1].items()),
                            what="the stored events' offsets to be committed")
 
     def run_rows() -> list[object]:

@@ -328,7 +328,8 @@ def _payload_check() -> None:
 @dataclass(frozen=True)
 class Payload:
     """``payload``'s SQL over ``event`` (one canonical event object) and ``event_extra``:
-    the aliases it needs (``WITH``), when the cut applies, the cut, the exact path."""
+    the aliases it needs (``WITH``), when the cut applies, and the event's own fields
+    (the object's text between its braces) by the cut and by the exact path."""
 
     aliases: tuple[str, ...]
     cut_applies: str
@@ -336,8 +337,21 @@ class Payload:
     exact: str
 
     @property
-    def expression(self) -> str:
+    def own_fields(self) -> str:
+        """The own fields by the cut where it applies, else by the exact path."""
         return f"if({self.cut_applies}, {self.cut}, {self.exact})"
+
+    @property
+    def expression(self) -> str:
+        """The own fields and the extras as one object. :attr:`own_fields` is used
+        once, so that ClickHouse evaluates the exact path's regular expression only
+        for the events the cut does not apply to: an expression used twice is computed
+        for every row, whichever branch of ``if`` it is in (12.9 µs an event on an OTLP
+        burst's events, which carry extras, against 0.86 this way)."""
+        extras = ("arrayStringConcat(arrayMap((key, value) -> concat(toJSONString(key), "
+                  "':', value), mapKeys(event_extra), mapValues(event_extra)), ',')")
+        return (f"concat('{{', trim(BOTH ',' FROM concat({self.own_fields}, ',', {extras})), "
+                "'}')")
 
 
 def payload() -> Payload:
@@ -350,9 +364,12 @@ def payload() -> Payload:
     string, so the first quote after the one that opens the last column's value closes
     it.
 
-    The exact path (pydantic's order, nulls written, escapes, extras): the columns and
-    the nulls deleted by a regular expression, the extras appended. A quote-delimited
-    key followed by ``:`` cannot begin inside a string, where every quote is escaped.
+    The exact path (pydantic's order, nulls written, escapes): the columns and the nulls
+    deleted by a regular expression. A quote-delimited key followed by ``:`` cannot
+    begin inside a string, where every quote is escaped.
+
+    Either way no field text begins or ends with a comma (a JSON value cannot end with
+    one), so trimming commas leaves exactly the separators between fields.
 
     Parsing each event's keys and values again for this cost the store ~4.7 µs an event
     of its ~13 (docs/performance.md)."""
@@ -364,20 +381,14 @@ def payload() -> Payload:
     aliases = (
         f"position(event, {_sql_string(last)}) AS last_column_at",
         f"position(event, '\"', last_column_at + {len(last)}) AS last_column_end",
-        f"replaceRegexpOne(replaceRegexpAll(event, {_sql_string(columns_and_nulls)}, ''), "
-        "',}$', '}') AS own_fields",
     )
     tag_first = _sql_string('{"event_type":')
     backslash = _sql_string("\\")
     cut_applies = (f"startsWith(event, {tag_first}) AND position(event, {backslash}) = 0 "
-                   "AND position(event, ':null') = 0 AND empty(event_extra) "
-                   "AND last_column_at > 0")
-    cut = ("if(substring(event, last_column_end + 1, 1) = '}', '{}', "
-           "concat('{', substring(event, last_column_end + 2)))")
-    exact = ("if(empty(event_extra), own_fields, concat(if(own_fields = '{}', '{', "
-             "concat(substring(own_fields, 1, length(own_fields) - 1), ',')), "
-             "arrayStringConcat(arrayMap((key, value) -> concat(toJSONString(key), ':', "
-             "value), mapKeys(event_extra), mapValues(event_extra)), ','), '}'))")
+                   "AND position(event, ':null') = 0 AND last_column_at > 0")
+    cut = "substring(event, last_column_end + 2, -1)"
+    exact = (f"trim(BOTH ',' FROM substring(replaceRegexpAll(event, "
+             f"{_sql_string(columns_and_nulls)}, ''), 2, -1))")
     return Payload(aliases, cut_applies, cut, exact)
 
 

@@ -30,16 +30,21 @@ TRICKY = st.lists(st.sampled_from(
      '"worker_id":"', '\n', '\x00', ' ']), max_size=8).map("".join)
 
 
-def _query(client: Any, texts: list[bytes]) -> list[tuple[str, str, int]]:
-    """(payload, the exact path's payload, whether the cut applied) of each text."""
+def _query(client: Any, texts: list[bytes], extras: dict[str, str] | None = None
+           ) -> list[tuple[str, str, str, int]]:
+    """(payload, the own fields by the cut, by the exact path, whether the cut applied)
+    of each text, every one with ``extras``."""
     sql = payload()
     rows = client.query(
         "WITH " + ", ".join(sql.aliases)
-        + f" SELECT {sql.expression}, {sql.exact}, {sql.cut_applies} FROM (SELECT "
-        "arrayJoin({texts:Array(String)}) AS event, CAST(map(), 'Map(String, String)') "
-        "AS event_extra)", parameters={"texts": [text.decode() for text in texts]}
+        + f" SELECT {sql.expression}, {sql.cut}, {sql.exact}, {sql.cut_applies} FROM (SELECT "
+        "arrayJoin({texts:Array(String)}) AS event, CAST(mapFromArrays({keys:Array(String)}, "
+        "{values:Array(String)}), 'Map(String, String)') AS event_extra)",
+        parameters={"texts": [text.decode() for text in texts], "keys": list(extras or {}),
+                    "values": list((extras or {}).values())}
     ).result_rows
-    return [(str(one), str(exact), int(applied)) for one, exact, applied in rows]
+    return [(str(one), str(cut), str(exact), int(applied))
+            for one, cut, exact, applied in rows]
 
 
 def _expected(text: bytes) -> list[tuple[str, Any]]:
@@ -62,11 +67,11 @@ def _pydantic_texts(events: list[EventBase]) -> list[bytes]:
 
 def _check(client: Any, texts: list[bytes]) -> list[int]:
     found = _query(client, texts)
-    for text, (one, exact, applied) in zip(texts, found, strict=True):
+    for text, (one, cut, exact, applied) in zip(texts, found, strict=True):
         assert list(orjson.loads(one).items()) == _expected(text), text
         if applied:
-            assert one == exact, text
-    return [applied for _, _, applied in found]
+            assert cut == exact, text
+    return [applied for *_, applied in found]
 
 
 def _events(run_id: str, agent: str, worker: str, tool: str, args: str, error: str
@@ -105,7 +110,7 @@ def test_an_object_with_no_own_fields_is_empty_both_ways(local_store: Any) -> No
     columns_only = orjson.dumps({name: base[name] for name in base if name in EVENT_COLUMNS})
     assert _query(client, [columns_only, columns_only.replace(b'"agent"', b'"agent":null,'
                                                               b'"agent"', 1)]) \
-        == [("{}", "{}", 1), ("{}", "{}", 0)]
+        == [("{}", "", "", 1), ("{}", "", "", 0)]
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -118,6 +123,27 @@ def test_any_text_in_any_field_is_stored_as_its_value(local_store: Any, agent: s
     _, client = local_store
     events = _events("run", agent, worker, tool, args, error)
     _check(client, _mirror_texts(events) + _pydantic_texts(events))
+
+
+def test_extras_follow_the_own_fields_on_both_paths(local_store: Any) -> None:
+    """An OTLP span's event carries extras (the agent claim, the convention...): they
+    are appended after its own fields, in their order, whichever path found those, and
+    make the whole payload of an event with no own fields."""
+    _, client = local_store
+    extras = {"otel_agent_rank": "3", "conversation_id": '"conv-1"', "note": '{"a":[1,null]}'}
+    tool = ToolCall(run_id="r", agent="a", tool="grep", latency_ms=1.5, timeout_ms=None)
+    texts = _mirror_texts([tool]) + _pydantic_texts([tool]) + _mirror_texts(
+        [RunEnd(run_id="r", agent="a")])
+    found = _query(client, texts, extras)
+    assert [applied for *_, applied in found] == [1, 0, 1]
+    tail = ',"otel_agent_rank":3,"conversation_id":"conv-1","note":{"a":[1,null]}}'
+    own = orjson.loads(texts[0])
+    own_text = orjson.dumps({name: value for name, value in own.items()
+                             if name not in EVENT_COLUMNS and value is not None}).decode()
+    assert [one for one, *_ in found][:2] == [own_text[:-1] + tail] * 2
+    assert [list(orjson.loads(one)) for one, *_ in found][2][-3:] == list(extras)
+    run_end_own = [name for name in orjson.loads(texts[2]) if name not in EVENT_COLUMNS]
+    assert list(orjson.loads(found[2][0])) == run_end_own + list(extras)
 
 
 def test_the_view_stores_what_the_expression_gives() -> None:

@@ -16,6 +16,7 @@ truncates, so such messages are left to pydantic.
 
 from __future__ import annotations
 
+import itertools
 import re
 import types
 from collections.abc import Callable
@@ -57,17 +58,29 @@ def _bounded(annotation: Any, metadata: list[Any], where: str) -> Any:
     return Annotated[annotation, meta]
 
 
+#: factories msgspec treats as an empty collection, which ``omit_defaults`` leaves out
+_COLLECTIONS = (list, dict, set, frozenset, tuple, bytearray)
+
+
 def _always_written(factory: Callable[[], Any]) -> Any:
     """A default msgspec never leaves out of an encoding: with ``omit_defaults`` it
     omits a field equal to a plain default, or an empty collection from a collection
-    factory, but never a value from any other factory."""
-    return msgspec.field(default_factory=lambda: factory())
+    factory, but never a value from any other factory (so only a collection's is
+    wrapped: a struct built with defaults calls each factory, ~9 an event)."""
+    if factory in _COLLECTIONS:
+        return msgspec.field(default_factory=lambda: factory())
+    return msgspec.field(default_factory=factory)
 
 
 def _constant(value: Any, where: str) -> Callable[[], Any]:
+    """A factory of ``value`` called without a Python frame.
+
+    >>> _constant("prod", "Step.traffic_slice")()
+    'prod'
+    """
     if not isinstance(value, str | int | float | bool):
         raise TypeError(f"{where}: no msgspec mirror for the default {value!r}")
-    return lambda: value
+    return itertools.repeat(value).__next__
 
 
 def mirror(model: type[EventBase], extras: dict[str, type] | None = None

@@ -304,6 +304,40 @@ def test_every_internal_statement_passes_the_guard(local_store):
     assert len(statements) > 50
 
 
+class _CountingClient:
+    """The real chdb client, counting the queries sent through it (not a mock: every
+    call reaches the engine)."""
+
+    def __init__(self, client: Client) -> None:
+        self.client, self.queries = client, 0
+
+    def query(self, *args: Any, **kwargs: Any) -> Any:
+        self.queries += 1
+        return self.client.query(*args, **kwargs)
+
+
+def test_a_vetted_statement_is_remembered_and_a_refused_one_vetted_each_time(local_store):
+    from loopwatch.store.sqlguard import VETTED_KEPT, RefusedQuery, SqlGuard
+
+    settings, _ = local_store
+    guard, client = SqlGuard(settings), _CountingClient(connect(settings))
+    lookup = "SELECT state FROM runs FINAL WHERE run_id IN {run_ids:Array(String)}"
+    first = guard.vet(client, lookup)
+    after_first = client.queries  # the parse, and the catalog's first reads
+    assert guard.vet(client, lookup) == first
+    assert client.queries == after_first
+    hostile = "SELECT * FROM file('/etc/passwd')"
+    for attempt in range(2):
+        with pytest.raises(RefusedQuery):
+            guard.vet(client, hostile)
+        assert client.queries == after_first + attempt + 1  # parsed again each time
+    for number in range(VETTED_KEPT):  # a full memory starts over: bounded
+        guard.vet(client, f"SELECT {number} AS n")
+    before = client.queries
+    guard.vet(client, lookup)
+    assert client.queries == before + 1
+
+
 # -- concurrency: a heavy query holds up only its own reader ---------------------------
 
 @pytest.fixture()

@@ -826,8 +826,7 @@ CREATE MATERIALIZED VIEW IF NOT EXISTS loopwatch.events_in_parse ON CLUSTER loop
 WITH
     JSONExtract(event, 'Tuple(agent String, agent_version String, args_hash Nullable(String), attempt Int64, cache_creation_input_tokens Int64, cache_read_input_tokens Int64, cache_ttl String, cost_usd Nullable(Float64), deployment String, error_type Nullable(String), event_id String, event_type String, hallucination Nullable(UInt8), history_hash Nullable(String), http_status Nullable(Int64), input_tokens Int64, label_source String, late_completion_ms Nullable(Float64), latency_ms Float64, logical_op_id Nullable(String), model String, output_tokens Int64, parent_span_id Nullable(String), prompt_version String, provider String, purpose String, quality_score Nullable(Float64), response_model String, result_count Nullable(Int64), result_size_bytes Nullable(Int64), run_id String, schema_version String, span_id Nullable(String), step Nullable(Int64), stop_reason Nullable(String), system_prompt_hash Nullable(String), task_type String, timed_out UInt8, timeout_ms Nullable(Float64), token_convention String, tool Nullable(String), tools_hash Nullable(String), trace_id Nullable(String), traffic_slice String, ts String, ttft_ms Nullable(Float64), verdict String, worker_id String)') AS c,
     position(event, ',"worker_id":"') AS last_column_at,
-    position(event, '"', last_column_at + 14) AS last_column_end,
-    replaceRegexpOne(replaceRegexpAll(event, '"(?:event_id|event_type|schema_version|ts|run_id|trace_id|span_id|parent_span_id|agent|agent_version|task_type|model|prompt_version|deployment|traffic_slice|worker_id)":(?:"(?:[^"\\\\]|\\\\.)*"|null),?|"[a-z0-9_]+":null,?', ''), ',}$', '}') AS own_fields
+    position(event, '"', last_column_at + 14) AS last_column_end
 SELECT
     tupleElement(c, 1) AS f_agent,
     tupleElement(c, 2) AS f_agent_version,
@@ -877,7 +876,7 @@ SELECT
     tupleElement(c, 46) AS f_ttft_ms,
     tupleElement(c, 47) AS f_verdict,
     tupleElement(c, 48) AS f_worker_id,
-    if(startsWith(event, '{"event_type":') AND position(event, '\\') = 0 AND position(event, ':null') = 0 AND empty(event_extra) AND last_column_at > 0, if(substring(event, last_column_end + 1, 1) = '}', '{}', concat('{', substring(event, last_column_end + 2))), if(empty(event_extra), own_fields, concat(if(own_fields = '{}', '{', concat(substring(own_fields, 1, length(own_fields) - 1), ',')), arrayStringConcat(arrayMap((key, value) -> concat(toJSONString(key), ':', value), mapKeys(event_extra), mapValues(event_extra)), ','), '}'))) AS payload,
+    concat('{', trimBoth(concat(if(startsWith(event, '{"event_type":') AND position(event, '\\') = 0 AND position(event, ':null') = 0 AND last_column_at > 0, substring(event, last_column_end + 2, -1), trimBoth(substring(replaceRegexpAll(event, '"(?:event_id|event_type|schema_version|ts|run_id|trace_id|span_id|parent_span_id|agent|agent_version|task_type|model|prompt_version|deployment|traffic_slice|worker_id)":(?:"(?:[^"\\\\]|\\\\.)*"|null),?|"[a-z0-9_]+":null,?', ''), 2, -1), ',')), ',', arrayStringConcat(arrayMap((key, value) -> concat(toJSONString(key), ':', value), mapKeys(event_extra), mapValues(event_extra)), ',')), ','), '}') AS payload,
     event_extra AS extras,
     kafka_partition,
     kafka_offset,
@@ -1061,4 +1060,4 @@ CREATE TABLE IF NOT EXISTS loopwatch.generated_views ON CLUSTER loopwatch
 ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/all/{database}/generated_views', '{replica}', applied_at)
 ORDER BY name;
 
-INSERT INTO loopwatch.generated_views (name, content_hash, applied_at) VALUES ('event_views', 'c27c126a7bf166a0b78f1153b4dd8f5069d46095bac001073261870d9ca11292', now64(3)), ('event_views.structure', '6b7dc8042d8f546534a2f976bb1afb80ef4db04ee120ac56fd32a7f16f568049', now64(3));
+INSERT INTO loopwatch.generated_views (name, content_hash, applied_at) VALUES ('event_views', 'ef54cdaf7c786aa71e1bc40b18122e31d7bff74fe21c3af76da31ae614e8aac7', now64(3)), ('event_views.structure', '14f75d0815f5901649d4ce52578bad5f740269e8af24c5c948a9d943110966c5', now64(3));

@@ -30,7 +30,11 @@ def pipeline_restored(pipeline: UpProcess) -> Iterator[None]:
     pipeline.start()
 
 
-def offsets(bootstrap: str) -> tuple[dict[int, int], dict[int, int]]:
+#: (end offsets, committed offsets) by partition
+Offsets = tuple[dict[int, int], dict[int, int]]
+
+
+def offsets(bootstrap: str) -> Offsets:
     """(end offsets, offsets the processors' group committed) of the events topic."""
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=SETTINGS.consumer_group,
                              enable_auto_commit=False)
@@ -43,9 +47,6 @@ def offsets(bootstrap: str) -> tuple[dict[int, int], dict[int, int]]:
         return ends, committed
     finally:
         consumer.close()
-
-
-Offsets = tuple[dict[int, int], dict[int, int]]
 
 
 def progress(broker: EmbeddedBroker, pipeline: UpProcess

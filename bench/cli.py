@@ -152,6 +152,8 @@ def print_result(result: dict[str, Any]) -> None:
           for label, key in BUDGET_ROWS),
         ("OTLP burst, first POST to last row stored (median of 3)",
          _fmt(result["otlp_spans_per_s"], " spans/s")),
+        ("OTLP burst, closed at the check that saw every row",
+         _fmt(result["otlp_at_check_spans_per_s"], " spans/s")),
         ("OTLP burst, HTTP accepted (same runs)",
          _fmt(result["otlp_accept_spans_per_s"], " spans/s")),
         ("OTLP burst, last 200 to last row stored", _fmt(result["otlp_lag_s"], " s")),

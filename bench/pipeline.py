@@ -112,8 +112,8 @@ KEYS = ("events", "pipeline_events_per_s", "raw_consume_events_per_s", "ratio",
         "alert_latency_p50_s", "alert_latency_p95_s",
         "processor_peak_rss_mb", "memory_per_open_run_bytes", "stored_bytes_per_event",
         "query_latency_s", "workers", "machine", "cpu_budget", "raw_consume_bracket",
-        "otlp_spans_per_s", "otlp_accept_spans_per_s", "otlp_lag_s", "otlp_up_cpu_us_per_span",
-        "otlp_stored")
+        "otlp_spans_per_s", "otlp_accept_spans_per_s", "otlp_at_check_spans_per_s",
+        "otlp_lag_s", "otlp_up_cpu_us_per_span", "otlp_stored")
 POLL_S = 0.25
 #: batches of new open runs for the memory figure (the first pays one-time allocations)
 MEMORY_ROUNDS = 5

@@ -20,7 +20,8 @@ FLOATS = ("pipeline_events_per_s", "raw_consume_events_per_s", "ratio", "emitter
           "emitter_baseline_events_per_s", "emitter_spool_ratio",
           "alert_latency_p50_s", "alert_latency_p95_s", "processor_peak_rss_mb",
           "memory_per_open_run_bytes", "stored_bytes_per_event", "otlp_spans_per_s",
-          "otlp_accept_spans_per_s", "otlp_lag_s", "otlp_up_cpu_us_per_span")
+          "otlp_accept_spans_per_s", "otlp_at_check_spans_per_s", "otlp_lag_s",
+          "otlp_up_cpu_us_per_span")
 
 
 @pytest.mark.stack  # starts its own brokers, `loopwatch up`-like processors and workers
@@ -72,6 +73,8 @@ def test_bench_smoke() -> None:
     # (run.start, 5 llm.call, 5 tool.call, run.end) stored once, every run closed
     assert figures["otlp_stored"] == [[12 * traces, traces]] * 3
     assert figures["otlp_spans_per_s"] > 0 and figures["otlp_accept_spans_per_s"] > 0
+    # closed where the store accepted the last rows, never after the check that saw them
+    assert figures["otlp_spans_per_s"] >= figures["otlp_at_check_spans_per_s"] > 0
     assert figures["otlp_lag_s"] >= 0 and figures["otlp_up_cpu_us_per_span"] > 0
 
 

@@ -67,16 +67,48 @@ def attribute(state: RunState, event: EventBase, claim: Claim
     return event, current.rank, False
 
 
+#: a call row and its table (``llm_calls`` or ``tool_calls``)
+CallRow = tuple[str, dict[str, Any]]
+
+
+def _revised(state: RunState, row: dict[str, Any]) -> bool:
+    """Whether a revision to the run's claim rewrites ``row`` (the statement's
+    condition: below :data:`EXPLICIT`, and of a lower rank or another agent)."""
+    rank = row["agent_rank"]
+    return bool(rank < EXPLICIT and (rank < state.agent_rank or row["agent"] != state.agent))
+
+
 def patch_rows(state: RunState, call_rows: list[dict[str, Any]]) -> None:
     """What a :func:`revision_row` makes the store do, done to call rows not written
     yet: a run first folded in this settle's batch has no row stored before it, so its
     rows below :data:`EXPLICIT` take the run's claim here, and no statement is needed
     (every row's time is inside the run's span, which bounds the revision)."""
     for row in call_rows:
-        rank = row["agent_rank"]
-        if rank < EXPLICIT and (rank < state.agent_rank or row["agent"] != state.agent):
+        if _revised(state, row):
             row["agent"] = state.agent
             row["agent_rank"] = state.agent_rank
+
+
+def revised_copies(state: RunState, stored: list[CallRow]) -> list[CallRow]:
+    """What a :func:`revision_row` makes the store insert, built from the rows it
+    would read: copies of the ``stored`` rows it rewrites, under the run's claim. The
+    rows themselves are left as they are (a write may still be encoding them).
+
+    >>> from loopwatch.processors.runs import RunState
+    >>> state = RunState(run_id="t", partition=0, agent="bot", agent_rank=3)
+    >>> rows = [("llm_calls", {"agent": "svc", "agent_rank": 0}),
+    ...         ("tool_calls", {"agent": "me", "agent_rank": EXPLICIT})]
+    >>> revised_copies(state, rows), rows[0][1]
+    ([('llm_calls', {'agent': 'bot', 'agent_rank': 3})], {'agent': 'svc', 'agent_rank': 0})
+    """
+    copies = []
+    for table, row in stored:
+        if _revised(state, row):
+            copy = dict(row)
+            copy["agent"] = state.agent
+            copy["agent_rank"] = state.agent_rank
+            copies.append((table, copy))
+    return copies
 
 
 def revision_row(state: RunState) -> dict[str, Any]:
@@ -87,4 +119,5 @@ def revision_row(state: RunState) -> dict[str, Any]:
             "since_ms": min(state.first_ms, state.last_ms) - 1, "until_ms": state.last_ms + 1}
 
 
-__all__ = ["REVISIONS_TABLE", "attribute", "patch_rows", "revision_row", "run_claim"]
+__all__ = ["REVISIONS_TABLE", "CallRow", "attribute", "patch_rows", "revised_copies",
+           "revision_row", "run_claim"]

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 import msgspec
 import orjson
@@ -50,6 +50,7 @@ from loopwatch.ingest.events import Annotation, EventBase, LlmCall
 from loopwatch.ingest.structs import STRUCTS
 from loopwatch.ingest.wire import DeadLetter, Decoded, decode_message, encode_event
 from loopwatch.processors import attribution, rows
+from loopwatch.processors.attribution import CallRow
 from loopwatch.processors.deadletter import DeadLetterRecord, bounded, payload_limit
 from loopwatch.processors.pricing import PriceTable, cost_mismatch
 from loopwatch.processors.runs import (
@@ -204,9 +205,17 @@ class Pipeline:
         self._revise: set[str] = set()
         #: runs first folded since the last settle (no row of theirs stored yet), and
         #: the call rows built for them since, which a better claim patches instead
-        self._fresh: dict[str, list[dict[str, Any]]] = {}
+        self._fresh: dict[str, list[CallRow]] = {}
         #: fresh runs whose claim improved since their first rows were built
         self._patch: set[str] = set()
+        #: the runs first folded in the last settle that built call rows, with those rows
+        #: as written: all their stored rows, so a better claim in this settle writes
+        #: them again under it instead of a revision statement (an OTLP trace whose root
+        #: comes in the next export request, most often the next batch: each statement
+        #: read both tables ``FINAL``, 30-50 ms of the store's CPU for one run)
+        self._recent: dict[str, list[CallRow]] = {}
+        #: the call rows built since the last settle for the runs in ``_recent``
+        self._since: dict[str, list[CallRow]] = {}
 
     def watermark_ms(self) -> int:
         late_ms = int(self.settings.late_allowance_s * 1000)
@@ -341,13 +350,30 @@ class Pipeline:
             if row is not None:  # labels waiting for their run have no row
                 work.rows.add(tables.RUNS, row)
                 if state.run_id in self._revise:
-                    work.rows.add(attribution.REVISIONS_TABLE, attribution.revision_row(state))
+                    self._revise_run(work, state)
                 elif state.run_id in self._patch:
-                    attribution.patch_rows(state, self._fresh[state.run_id])
+                    attribution.patch_rows(state, [call for _, call in
+                                                   self._fresh[state.run_id]])
             self._revise.discard(state.run_id)
+        self._recent = {run_id: calls for run_id, calls in self._fresh.items() if calls}
+        self._since.clear()
         self._fresh.clear()
         self._patch.clear()
         return work
+
+    def _revise_run(self, work: Work, state: RunState) -> None:
+        """A better claim for a run with rows stored: a revision statement, or, for a
+        run first folded in the last settle, its rows written again under the claim
+        (the statement's effect: a higher version replaces them) and this settle's
+        patched in place, as the statement would have rewritten them too."""
+        recent = self._recent.get(state.run_id)
+        if recent is None:
+            work.rows.add(attribution.REVISIONS_TABLE, attribution.revision_row(state))
+            return
+        attribution.patch_rows(state, [call for _, call in
+                                       self._since.get(state.run_id, [])])
+        for table, call in attribution.revised_copies(state, recent):
+            work.rows.add(table, call)
 
     def sweep(self) -> Work:
         """Abandon runs past their TTL (event time); forget closed runs past the label window."""
@@ -394,8 +420,10 @@ class Pipeline:
 
     def invalidate_index(self) -> None:
         """The store changed behind the pipeline's back (partitions assigned, changelog
-        recovered): the next sweep rebuilds the deadline index from ``store.states()``."""
+        recovered): the next sweep rebuilds the deadline index from ``store.states()``,
+        and no run's rows are known to be all in the last settle's write any more."""
         self._index_stale = True
+        self._recent.clear()
 
     def _reindex(self) -> None:
         self._due.clear()
@@ -580,8 +608,13 @@ class Pipeline:
                 work.rows.add(tables.TOOL_CALLS, call_row)
             elif kind == LABEL:
                 work.rows.add(tables.LABELS, rows.label_row(event, now))  # type: ignore[arg-type]
-            if call_row is not None and event.run_id in self._fresh:
-                self._fresh[event.run_id].append(call_row)
+            if call_row is not None:
+                table = tables.LLM_CALLS if kind == LLM_CALL else tables.TOOL_CALLS
+                fresh = self._fresh.get(event.run_id)
+                if fresh is not None:
+                    fresh.append((table, call_row))
+                elif event.run_id in self._recent:
+                    self._since.setdefault(event.run_id, []).append((table, call_row))
         state = self._state_for(touched, event, message.partition, event_ms, kind)
         if kind == TOOL_CALL:  # only a tool call reads the loop detector's settings
             loop = self.settings.loop_for(event.task_type or state.task_type)

@@ -23,7 +23,7 @@ from loopwatch.ingest.otlp.mapping import map_spans
 from loopwatch.ingest.wire import encode_envelope
 from loopwatch.processors.attribution import revision_row
 from loopwatch.processors.jobs.reprocess import MemoryRunStore
-from loopwatch.processors.pipeline import Pipeline, RawMessage
+from loopwatch.processors.pipeline import Pipeline, RawMessage, Work
 from loopwatch.runtime import _insert_action
 from loopwatch.store.clickhouse import connect
 from loopwatch.store.remote_sink import encode_batch
@@ -281,8 +281,29 @@ def _calls(client: Client) -> dict[str, list[tuple[Any, ...]]]:
         for table in ("llm_calls", "tool_calls")}
 
 
+@pytest.fixture()
+def two_stores(local_store: tuple[Settings, Client]) -> Any:
+    """Two fresh stores: one fed as a test batches the requests, one each request apart."""
+    stores = [_store(local_store), _store(local_store)]
+    yield stores
+    for settings, client in stores:
+        client.command(f"DROP DATABASE {settings.database}")
+
+
+def _last_batch(settings: Settings, client: Client, requests: list[list[Span]],
+                together: int) -> tuple[Work, ClickHouseSink]:
+    """Each request but the last ``together`` in a batch of its own, written; those in
+    one batch, folded and settled: its work (not written yet) and the sink."""
+    pipeline, sink = Pipeline(settings, MemoryRunStore()), ClickHouseSink(client)
+    _deliver(pipeline, sink, requests[:-together])
+    first = len(requests) - together
+    work = pipeline.process([_message(spans, offset) for offset, spans
+                             in enumerate(requests[first:], start=first)])
+    return work, sink
+
+
 def test_a_claim_raised_in_the_batch_of_the_runs_first_rows_patches_them_no_revision(
-        local_store):
+        two_stores):
     """A trace whose children and root reach the processors in one batch (the OTLP
     burst's traces that straddle two export requests): its rows take the root's agent
     before they are written, with no revision statement and no row written twice. A
@@ -293,39 +314,31 @@ def test_a_claim_raised_in_the_batch_of_the_runs_first_rows_patches_them_no_revi
     fresh, recent, older = Trace(), Trace(), Trace()
     requests = [[older.chat(), older.tool()], [recent.chat(), recent.tool()],
                 [fresh.chat(), fresh.tool()], [fresh.root(), recent.root(), older.root()]]
-    stores = [_store(local_store), _store(local_store)]
-    try:
-        (settings, client), (apart_settings, apart_client) = stores
-        pipeline, sink = Pipeline(settings, MemoryRunStore()), ClickHouseSink(client)
-        _deliver(pipeline, sink, requests[:2])
-        work = pipeline.process([_message(spans, offset)
-                                 for offset, spans in enumerate(requests[2:], start=2)])
-        assert [row["run_id"] for row in work.rows.tables[REVISIONS_TABLE]] == [older.trace]
-        again = {table: sorted((row["run_id"], row["agent"], row["agent_rank"])
-                               for row in work.rows.tables[table])
-                 for table in ("llm_calls", "tool_calls")}
-        assert again == {table: sorted([(fresh.trace, "bot", 3), (recent.trace, "bot", 3)])
-                         for table in ("llm_calls", "tool_calls")}
-        sink.write_batch(work.rows)
-        _deliver(Pipeline(apart_settings, MemoryRunStore()), ClickHouseSink(apart_client),
-                 requests)
-        for trace in (fresh, recent, older):
-            assert _rows(client, trace.trace) == {
-                "llm_calls": [("bot", 3, 1200)], "tool_calls": [("bot", 3, "lookup")],
-                "runs": [("bot", 1, 1, 1200, 1000, "success")]}
-        assert _calls(client) == _calls(apart_client)
-        for table in ("llm_calls", "tool_calls"):  # every row written, merged or not
-            ranks = client.query(f"SELECT run_id, groupArray(agent_rank) FROM (SELECT "
-                                 f"run_id, agent_rank FROM {table} ORDER BY agent_rank) "
-                                 "GROUP BY run_id").result_rows
-            assert dict(ranks) == {fresh.trace: [3], recent.trace: [0, 3],
-                                   older.trace: [0, 3]}
-    finally:
-        for settings, client in stores:
-            client.command(f"DROP DATABASE {settings.database}")
+    (settings, client), (apart_settings, apart_client) = two_stores
+    work, sink = _last_batch(settings, client, requests, together=2)
+    assert [row["run_id"] for row in work.rows.tables[REVISIONS_TABLE]] == [older.trace]
+    again = {table: sorted((row["run_id"], row["agent"], row["agent_rank"])
+                           for row in work.rows.tables[table])
+             for table in ("llm_calls", "tool_calls")}
+    assert again == {table: sorted([(fresh.trace, "bot", 3), (recent.trace, "bot", 3)])
+                     for table in ("llm_calls", "tool_calls")}
+    sink.write_batch(work.rows)
+    _deliver(Pipeline(apart_settings, MemoryRunStore()), ClickHouseSink(apart_client),
+             requests)
+    for trace in (fresh, recent, older):
+        assert _rows(client, trace.trace) == {
+            "llm_calls": [("bot", 3, 1200)], "tool_calls": [("bot", 3, "lookup")],
+            "runs": [("bot", 1, 1, 1200, 1000, "success")]}
+    assert _calls(client) == _calls(apart_client)
+    for table in ("llm_calls", "tool_calls"):  # every row written, merged or not
+        ranks = client.query(f"SELECT run_id, groupArray(agent_rank) FROM (SELECT "
+                             f"run_id, agent_rank FROM {table} ORDER BY agent_rank) "
+                             "GROUP BY run_id").result_rows
+        assert dict(ranks) == {fresh.trace: [3], recent.trace: [0, 3],
+                               older.trace: [0, 3]}
 
 
-def test_a_run_first_folded_in_the_batch_before_is_written_again_not_revised(local_store):
+def test_a_run_first_folded_in_the_batch_before_is_written_again_not_revised(two_stores):
     """A trace's first calls in one batch, then another call and its root in the next:
     the first batch's rows are written again under the root's agent and the new call's
     row is patched before it is written, with no revision statement; the tables end as
@@ -334,22 +347,14 @@ def test_a_run_first_folded_in_the_batch_before_is_written_again_not_revised(loc
     later = trace.span("chat gpt-4o", "6" * 16, ROOT, CHAT_ATTRIBUTES, 1400, 1500,
                        "child-svc")
     requests = [[trace.chat(), trace.tool()], [later], [trace.root()]]
-    stores = [_store(local_store), _store(local_store)]
-    try:
-        (settings, client), (apart_settings, apart_client) = stores
-        pipeline, sink = Pipeline(settings, MemoryRunStore()), ClickHouseSink(client)
-        _deliver(pipeline, sink, requests[:1])
-        work = pipeline.process([_message(spans, offset)
-                                 for offset, spans in enumerate(requests[1:], start=1)])
-        assert REVISIONS_TABLE not in work.rows.tables
-        assert [(row["agent"], row["agent_rank"]) for row in
-                work.rows.tables["llm_calls"] + work.rows.tables["tool_calls"]] == [
-            ("bot", 3)] * 3
-        sink.write_batch(work.rows)
-        _deliver(Pipeline(apart_settings, MemoryRunStore()), ClickHouseSink(apart_client),
-                 requests)
-        assert _rows(client, trace.trace)["llm_calls"] == [("bot", 3, 1200)] * 2
-        assert _calls(client) == _calls(apart_client)
-    finally:
-        for settings, client in stores:
-            client.command(f"DROP DATABASE {settings.database}")
+    (settings, client), (apart_settings, apart_client) = two_stores
+    work, sink = _last_batch(settings, client, requests, together=2)
+    assert REVISIONS_TABLE not in work.rows.tables
+    assert [(row["agent"], row["agent_rank"]) for row in
+            work.rows.tables["llm_calls"] + work.rows.tables["tool_calls"]] == [
+        ("bot", 3)] * 3
+    sink.write_batch(work.rows)
+    _deliver(Pipeline(apart_settings, MemoryRunStore()), ClickHouseSink(apart_client),
+             requests)
+    assert _rows(client, trace.trace)["llm_calls"] == [("bot", 3, 1200)] * 2
+    assert _calls(client) == _calls(apart_client)

@@ -49,7 +49,13 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationSc
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from loopwatch.bench.pipeline import BASE_ENV, THROUGHPUT_ENV, cpu_seconds, wait_group_stable
+from loopwatch.bench.pipeline import (
+    BASE_ENV,
+    THROUGHPUT_ENV,
+    cpu_seconds,
+    stored_at,
+    wait_group_stable,
+)
 from loopwatch.core.config import load_settings
 from loopwatch.core.embedded.broker import EmbeddedBroker
 from loopwatch.core.processes import children
@@ -231,9 +237,7 @@ def _stored_at(up: UpProcess) -> tuple[int, float | None]:
     """(events the processors folded so far, when ``up``'s store last accepted events,
     on this process's perf_counter clock): ``up``'s status, which costs it no query."""
     health = up.health()
-    accepted = health.get("events_stored_at")
-    clock = None if accepted is None else float(accepted) - (time.time() - time.perf_counter())
-    return int(health["counters"]["events"]), clock
+    return int(health["counters"]["events"]), stored_at(health, time.perf_counter)
 
 
 def wait_stored(up: UpProcess, worker: str, want: tuple[int, int], folded_target: int,

@@ -524,13 +524,21 @@ def _stored(up: UpProcess, exact: bool) -> int:
     return int(up.reader.query(sql).scalar() or 0)
 
 
+def stored_at(health: dict[str, Any], clock: Callable[[], float] = time.monotonic
+              ) -> float | None:
+    """When ``up``'s store last accepted events (``events_stored_at`` of its status
+    ``health``, a wall time), on ``clock``; None if it does not say."""
+    accepted = health.get("events_stored_at")
+    if accepted is None:
+        return None
+    return float(accepted) - (time.time() - clock())
+
+
 def _last_insert(up: UpProcess) -> float:
     """When ``up``'s store last accepted events, on this process's monotonic clock
     (infinity if it does not say)."""
-    accepted = up.health().get("events_stored_at")
-    if accepted is None:
-        return math.inf
-    return float(accepted) - (time.time() - time.monotonic())
+    accepted = stored_at(up.health())
+    return math.inf if accepted is None else accepted
 
 
 def measure_processing(up: UpProcess, already: int, target: int, progress: Progress,

@@ -140,6 +140,10 @@ class EventBase(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True, populate_by_name=True,
                               allow_inf_nan=False)
 
+    #: each event type's tag (a ``Literal`` there). Declared first so that every event
+    #: serializes with it first: a tagged union's decoder (the processors' msgspec
+    #: mirror) then knows the type before the other fields, without a look-ahead
+    event_type: str
     event_id: uuid.UUID = Field(default_factory=time_ordered_uuid,
                                 description="dedup key (time-ordered UUIDv7 when generated)")
     schema_version: str = SCHEMA_VERSION

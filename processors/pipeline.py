@@ -197,6 +197,11 @@ class Pipeline:
         self._future_ms = 0.0
         self._label_window_ms = int(settings.label_window_s * 1000)
         self._letter_limit = payload_limit(settings)
+        #: the settings the fold reads for every event, read once (each read of a
+        #: pydantic field, and ``loop_for``'s call, is interpreted Python)
+        self._loop = settings.loop
+        self._loop_by_task_type = dict(settings.loop_by_task_type)
+        self._cost_tolerance = settings.cost_mismatch_tolerance
         self._due: dict[int, set[str]] = {}
         self._bucket_of: dict[str, int] = {}
         self._buckets: list[int] = []
@@ -577,24 +582,31 @@ class Pipeline:
                 (self._patch if event.run_id in self._fresh else self._revise).add(
                     event.run_id)
         priced_cost = 0.0
-        loop = self.settings.loop
+        loop = self._loop
         priced = None
         mismatch = False
-        if kind == LLM_CALL:
-            call: LlmCall = event  # type: ignore[assignment]  # or its struct
-            priced = self.prices.cost(
-                call.model, call.input_tokens, call.output_tokens,
-                call.cache_read_input_tokens, call.cache_creation_input_tokens,
-                call.cache_ttl,
-            )
-            mismatch = cost_mismatch(
-                call.cost_usd, priced.cost_usd, self.settings.cost_mismatch_tolerance
-            )
-            self.counters.cost_mismatches += int(mismatch)
-            priced_cost = priced.cost_usd
         # the store's views write every other event's row (loopwatch.store.event_views);
         # a struct carries no extras, so no claim: never one of those built here
-        if self.python_rows or (type(event) not in STRUCTS and rows.built_here(event)):
+        rows_here = self.python_rows or (type(event) not in STRUCTS
+                                         and rows.built_here(event))
+        if kind == LLM_CALL:
+            call: LlmCall = event  # type: ignore[assignment]  # or its struct
+            if rows_here:  # its row keeps the price's version
+                priced = self.prices.cost(
+                    call.model, call.input_tokens, call.output_tokens,
+                    call.cache_read_input_tokens, call.cache_creation_input_tokens,
+                    call.cache_ttl,
+                )
+                priced_cost = priced.cost_usd
+            else:
+                priced_cost = self.prices.dollars(
+                    call.model, call.input_tokens, call.output_tokens,
+                    call.cache_read_input_tokens, call.cache_creation_input_tokens,
+                    call.cache_ttl,
+                )
+            mismatch = cost_mismatch(call.cost_usd, priced_cost, self._cost_tolerance)
+            self.counters.cost_mismatches += int(mismatch)
+        if rows_here:
             call_row = None
             if kind == LLM_CALL:
                 assert priced is not None
@@ -617,7 +629,7 @@ class Pipeline:
                     self._since.setdefault(event.run_id, []).append((table, call_row))
         state = self._state_for(touched, event, message.partition, event_ms, kind)
         if kind == TOOL_CALL:  # only a tool call reads the loop detector's settings
-            loop = self.settings.loop_for(event.task_type or state.task_type)
+            loop = self._loop_by_task_type.get(event.task_type or state.task_type, loop)
         was_closed = state.closed
         was_waiting = state.awaiting_run
         if kind == LABEL and state.version == 0:  # no run known: it waits

@@ -39,7 +39,7 @@ from loopwatch.ingest.wire import decode_message
 from loopwatch.processors.deadletter import payload_limit
 from loopwatch.processors.jobs.reprocess import MemoryRunStore
 from loopwatch.processors.pipeline import Pipeline, RawMessage, Work
-from loopwatch.processors.pricing import PricedCall, PriceTable
+from loopwatch.processors.pricing import PriceTable
 from loopwatch.processors.runs import RunState
 from loopwatch.store.cluster import render_cluster_ddl
 from loopwatch.store.sink import ClickHouseSink, RowBatch, encode_rows
@@ -613,10 +613,11 @@ class PricesWithABug(PriceTable):
     """Stands in for a loopwatch bug (the only fake in this module: no input is known
     to make the fold raise, which is the point): pricing raises for one model."""
 
-    def cost(self, model: str, *args: Any, **kwargs: Any) -> PricedCall:
+    def dollars(self, model: str, *args: Any, **kwargs: Any) -> float:
+        """Where every price comes from (``cost`` calls it too)."""
         if model == BUGGY_MODEL:
             raise ZeroDivisionError("planted bug")
-        return super().cost(model, *args, **kwargs)
+        return super().dollars(model, *args, **kwargs)
 
 
 def test_an_event_the_fold_raises_on_is_a_dead_letter_and_is_applied_when_replayed(

@@ -330,6 +330,8 @@ class Settings(BaseSettings):
         return self.data_dir / "service.sock"
 
     def loop_for(self, task_type: str) -> LoopDetectorSettings:
+        """The loop detector's settings for a task type (the fold reads the same two
+        fields once, into a dict of its own: this call is interpreted Python)."""
         return self.loop_by_task_type.get(task_type, self.loop)
 
 

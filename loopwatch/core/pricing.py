@@ -112,18 +112,37 @@ class PriceTable:
         cache_ttl: str = "5m",
     ) -> PricedCall:
         """Price one call; ``input_tokens`` includes the cache (OTel semantics)."""
-        price = self.models.get(model)
-        known = price is not None
-        price = price or self.default
+        return PricedCall(
+            self.dollars(model, input_tokens, output_tokens, cache_read, cache_creation,
+                         cache_ttl),
+            self.version, model in self.models)
+
+    def dollars(
+        self,
+        model: str,
+        input_tokens: int,
+        output_tokens: int,
+        cache_read: int,
+        cache_creation: int,
+        cache_ttl: str = "5m",
+    ) -> float:
+        """:meth:`cost`'s dollars alone: the fold prices every model call and keeps only
+        the figure (building the :class:`PricedCall` cost it as much again, ~1.5 µs).
+
+        >>> table = PriceTable.load()
+        >>> table.dollars("gpt-unknown", 1000, 10, 0, 0) == table.cost(
+        ...     "gpt-unknown", 1000, 10, 0, 0).cost_usd
+        True
+        """
+        price = self.models.get(model) or self.default
         uncached = max(0, input_tokens - cache_read - cache_creation)
         write_multiplier = self.write_1h if cache_ttl == "1h" else self.write_5m
-        dollars = (
+        return (
             uncached * price.input
             + cache_creation * price.input * write_multiplier
             + cache_read * price.input * self.read
             + output_tokens * price.output
         ) / 1_000_000
-        return PricedCall(dollars, self.version, known)
 
 
 def cost_mismatch(reported: float | None, computed: float, tolerance: float) -> bool:

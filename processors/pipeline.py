@@ -591,37 +591,32 @@ class Pipeline:
                                          and rows.built_here(event))
         if kind == LLM_CALL:
             call: LlmCall = event  # type: ignore[assignment]  # or its struct
+            priced_cost = self.prices.dollars(
+                call.model, call.input_tokens, call.output_tokens,
+                call.cache_read_input_tokens, call.cache_creation_input_tokens,
+                call.cache_ttl,
+            )
             if rows_here:  # its row keeps the price's version
-                priced = self.prices.cost(
-                    call.model, call.input_tokens, call.output_tokens,
-                    call.cache_read_input_tokens, call.cache_creation_input_tokens,
-                    call.cache_ttl,
-                )
-                priced_cost = priced.cost_usd
-            else:
-                priced_cost = self.prices.dollars(
-                    call.model, call.input_tokens, call.output_tokens,
-                    call.cache_read_input_tokens, call.cache_creation_input_tokens,
-                    call.cache_ttl,
-                )
+                priced = self.prices.priced(call.model, priced_cost)
             mismatch = cost_mismatch(call.cost_usd, priced_cost, self._cost_tolerance)
             self.counters.cost_mismatches += int(mismatch)
         if rows_here:
             call_row = None
+            table = ""
             if kind == LLM_CALL:
                 assert priced is not None
                 call_row = rows.llm_call_row(
                     event, priced, mismatch, now, agent_rank)  # type: ignore[arg-type]
-                work.rows.add(tables.LLM_CALLS, call_row)
+                table = tables.LLM_CALLS
             elif kind == TOOL_CALL:
                 call_row = rows.tool_call_row(
                     event, self.settings.near_miss_factor, now,  # type: ignore[arg-type]
                     agent_rank)
-                work.rows.add(tables.TOOL_CALLS, call_row)
+                table = tables.TOOL_CALLS
             elif kind == LABEL:
                 work.rows.add(tables.LABELS, rows.label_row(event, now))  # type: ignore[arg-type]
             if call_row is not None:
-                table = tables.LLM_CALLS if kind == LLM_CALL else tables.TOOL_CALLS
+                work.rows.add(table, call_row)
                 fresh = self._fresh.get(event.run_id)
                 if fresh is not None:
                     fresh.append((table, call_row))

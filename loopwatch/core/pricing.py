@@ -112,10 +112,13 @@ class PriceTable:
         cache_ttl: str = "5m",
     ) -> PricedCall:
         """Price one call; ``input_tokens`` includes the cache (OTel semantics)."""
-        return PricedCall(
-            self.dollars(model, input_tokens, output_tokens, cache_read, cache_creation,
-                         cache_ttl),
-            self.version, model in self.models)
+        return self.priced(model, self.dollars(
+            model, input_tokens, output_tokens, cache_read, cache_creation, cache_ttl))
+
+    def priced(self, model: str, dollars: float) -> PricedCall:
+        """A call of ``model`` that :meth:`dollars` priced at ``dollars``, with this
+        table's version and whether it knows the model."""
+        return PricedCall(dollars, self.version, model in self.models)
 
     def dollars(
         self,

@@ -191,6 +191,36 @@ def test_what_the_mirror_declines_still_decodes_with_pydantic_reasons():
         "schema violation: step.step: Input should be greater than or equal to 0"]
 
 
+def test_the_tag_anywhere_decodes_alike_and_a_repeated_tag_is_left_to_pydantic():
+    """The SDK writes ``event_type`` first (its models declare it first); earlier SDKs
+    wrote it after the base fields, and a producer may put it anywhere: the mirror
+    decodes each to the same struct and the same canonical JSON (tag first). A tag
+    given twice is not plainly valid: the mirror declines and pydantic's reading (the
+    last value) decides, so the two never disagree."""
+    step = Step(run_id="r", agent="a", step=1, ts="2026-01-02T03:04:05Z")
+    first = step.__pydantic_serializer__.to_json(step, exclude_none=True)
+    assert first.startswith(b'{"event_type":"step","event_id":')
+    fields = orjson.loads(first)
+    tag = fields.pop("event_type")
+    orders = {"first": first, "last": orjson.dumps({**fields, "event_type": tag}),
+              "middle": orjson.dumps({"run_id": "r", "event_type": tag, **fields})}
+    decoded = {where: decode_message(value, 10_000, structs=True)
+               for where, value in orders.items()}
+    for where, result in decoded.items():
+        assert result.dead == [] and result.events_json is not None, where
+        (event,) = result.events
+        assert (type(event).__name__, event.event_type, event.step, event.event_id,
+                event.ts) == ("Step", "step", 1, step.event_id, step.ts), where
+        assert result.events_json == decoded["first"].events_json, where
+    assert decoded["first"].events_json is not None
+    assert decoded["first"].events_json.startswith(b'[{"event_type":"step","event_id":')
+    twice = first[:-1] + b',"event_type":"label"}'
+    assert mirror_message(twice, 1) is None
+    again = decode_message(twice, 10_000, structs=True)
+    assert again.events == [] and [letter.reason for letter in again.dead] == [
+        "schema violation: label.verdict: Field required"]
+
+
 def test_mirrored_events_behave_as_validated_ones():
     """Frozen, generated ids and times, fields set, extras: as pydantic builds them."""
     value = b'{"event_type":"step","run_id":"r","agent":"a","step":2}'

@@ -161,6 +161,37 @@ def test_store_path_bench_smoke_stores_the_same_tables_both_ways() -> None:
         assert figures["alternatives"][name]["bytes_per_event"] > 0
 
 
+def test_store_stages_bench_smoke_takes_each_stage_away() -> None:
+    """``python -m loopwatch.bench.store_stages``: each variant stores rows in exactly
+    the tables its stages write (the bench exits non-zero otherwise, and the rows are
+    checked here again), the same ``runs`` rows in all, and the stages' own costs add
+    up to the whole store's."""
+    events = 3000
+    done = subprocess.run([sys.executable, "-m", "loopwatch.bench.store_stages", "--events",
+                           str(events), "--runs", "1", "--json"],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr
+    figures = orjson.loads(done.stdout.strip().splitlines()[-1])
+    stages = figures["stages"]
+    assert list(stages) == ["runs", "events_in", "parse", "events", "all"]
+    rows = {stage: stages[stage]["rows"] for stage in stages}
+    assert len({found["runs"] for found in rows.values()}) == 1 and rows["runs"]["runs"] > 0
+    assert [found["events"] for found in rows.values()] == [0, 0, 0, events, events]
+    for table in ("llm_calls", "tool_calls", "labels"):
+        assert [found[table] > 0 for found in rows.values()] == [False] * 4 + [True]
+    assert sum(stage["stage_us_per_event"] for stage in stages.values()) == \
+        pytest.approx(stages["all"]["us_per_event"])
+    assert len(done.stdout.strip().splitlines()) == 1 and "round 1/1: all" in done.stderr
+
+
+def test_store_stages_bench_refuses_nothing_to_measure_in_one_line() -> None:
+    done = subprocess.run([sys.executable, "-m", "loopwatch.bench.store_stages", "--events",
+                           "0"], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [
+        "python -m loopwatch.bench.store_stages: --events and --runs must be at least 1"]
+
+
 def test_the_log_line_counts_each_partition_read_again(tmp_path) -> None:
     """A successful bench removes the processors' logs with its folder: its log line is
     where re-reads show, each logged one (a hole, a stalled end) counted once."""

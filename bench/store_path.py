@@ -61,6 +61,8 @@ from loopwatch.store.clickhouse import migrate
 from loopwatch.store.schema_versions import migrations, statements
 from loopwatch.store.sink import JSON_INSERT_SETTINGS, ClickHouseSink, RowBatch
 
+#: this bench, as ``python -m`` runs it (its children too)
+MODULE = "loopwatch.bench.store_path"
 #: the tables every alternative must store alike (``runs`` compared ``FINAL``)
 COMPARED = (tables.EVENTS, tables.LLM_CALLS, tables.TOOL_CALLS, tables.LABELS)
 #: today's insert settings: before parallel parsing was turned off and threads bounded
@@ -257,10 +259,13 @@ def measure(name: str, messages_file: Path, data_dir: Path) -> dict[str, Any]:
             "fingerprint": fingerprint(client, skip=("ingested_at",))}
 
 
-def _child(name: str, messages_file: Path) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="loopwatch-store-path-") as tmp:
+def in_fresh_process(module: str, name: str, messages_file: Path) -> dict[str, Any]:
+    """Run ``python -m module --child name`` on ``messages_file`` with a store in a
+    fresh temporary folder, and return the JSON object it prints last (``module``:
+    this bench or another that measures the store the same way)."""
+    with tempfile.TemporaryDirectory(prefix="loopwatch-store-bench-") as tmp:
         result = subprocess.run(
-            [sys.executable, "-m", "loopwatch.bench.store_path", "--child", name,
+            [sys.executable, "-m", module, "--child", name,
              "--messages", str(messages_file), "--data-dir", tmp],
             capture_output=True, check=False, env={**os.environ})
     if result.returncode:
@@ -276,7 +281,7 @@ def run(events: int, runs: int, seed: int, names: list[str]) -> dict[str, Any]:
         events = save_messages(messages_file, events, seed)
         for _ in range(runs):
             for name in names:
-                results[name].append(_child(name, messages_file))
+                results[name].append(in_fresh_process(MODULE, name, messages_file))
     reference = results[names[0]][0]["fingerprint"]
     for name, measured in results.items():
         for one in measured:
@@ -311,18 +316,26 @@ def _differences(expected: dict[str, list[Any]], found: dict[str, list[Any]]) ->
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m loopwatch.bench.store_path",
-                                     description=__doc__.split("\n\n")[0])
+def store_bench_parser(module: str, doc: str, children: list[str]
+                       ) -> argparse.ArgumentParser:
+    """The command line of a bench that stores the mix in fresh processes (this one and
+    :mod:`loopwatch.bench.store_stages`): how many events, runs and the seed, JSON
+    output, and the hidden arguments of a child (:func:`in_fresh_process`)."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc)
     parser.add_argument("--events", type=int, default=300_000)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--only", nargs="+", choices=list(ALTERNATIVES),
-                        default=list(ALTERNATIVES), help="alternatives (first: the reference)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--child", choices=list(ALTERNATIVES), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=children, help=argparse.SUPPRESS)
     parser.add_argument("--messages", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--data-dir", type=Path, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = store_bench_parser(MODULE, __doc__.split("\n\n")[0], list(ALTERNATIVES))
+    parser.add_argument("--only", nargs="+", choices=list(ALTERNATIVES),
+                        default=list(ALTERNATIVES), help="alternatives (first: the reference)")
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(measure(args.child, args.messages, args.data_dir)))

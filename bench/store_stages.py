@@ -24,23 +24,29 @@ with the machine: read the stages against each other, within one run.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from loopwatch.bench.store_path import ALTERNATIVES, load_messages, prepare, save_messages
+from loopwatch.bench.store_path import (
+    ALTERNATIVES,
+    in_fresh_process,
+    load_messages,
+    prepare,
+    save_messages,
+    store_bench_parser,
+)
 from loopwatch.core.config import Settings
 from loopwatch.store import event_views, tables
 from loopwatch.store.clickhouse import migrate
 from loopwatch.store.sink import ClickHouseSink
 
+#: this bench, as ``python -m`` runs it (its children too)
+MODULE = "loopwatch.bench.store_stages"
 #: the variants, each with one more stage than the one before
 STAGES = ("runs", "events_in", "parse", "events", "all")
 #: the table views each variant keeps (``all``: every one); the parse view is kept from
@@ -93,17 +99,6 @@ def measure(stage: str, messages_file: Path, data_dir: Path) -> dict[str, Any]:
             "us_per_event": (inserted - started) * 1e6 / events, "rows": counts}
 
 
-def _child(stage: str, messages_file: Path) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="loopwatch-store-stages-") as tmp:
-        done = subprocess.run(
-            [sys.executable, "-m", "loopwatch.bench.store_stages", "--child", stage,
-             "--messages", str(messages_file), "--data-dir", tmp],
-            capture_output=True, check=False, env={**os.environ})
-    if done.returncode:
-        raise SystemExit(f"{stage} failed:\n{done.stderr.decode()[-3000:]}")
-    return dict(json.loads(done.stdout.decode().strip().splitlines()[-1]))
-
-
 def _check_rows(measured: dict[str, Any]) -> None:
     """Each variant stored rows in exactly the tables its stages write."""
     stored = _STORED[measured["stage"]]
@@ -124,7 +119,7 @@ def run(events: int, runs: int, seed: int) -> dict[str, Any]:
         events = save_messages(messages_file, events, seed)
         for round_ in range(1, runs + 1):
             for stage in STAGES:
-                measured = _child(stage, messages_file)
+                measured = in_fresh_process(MODULE, stage, messages_file)
                 _check_rows(measured)
                 results[stage].append(measured)
                 print(f"round {round_}/{runs}: {stage} {measured['us_per_event']:.2f} "
@@ -144,15 +139,7 @@ def run(events: int, runs: int, seed: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m loopwatch.bench.store_stages",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--events", type=int, default=300_000)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--child", choices=STAGES, help=argparse.SUPPRESS)
-    parser.add_argument("--messages", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--data-dir", type=Path, help=argparse.SUPPRESS)
+    parser = store_bench_parser(MODULE, __doc__.split("\n\n")[0], list(STAGES))
     args = parser.parse_args(argv)
     if args.events < 1 or args.runs < 1:
         parser.exit(2, f"{parser.prog}: --events and --runs must be at least 1\n")

@@ -63,6 +63,14 @@ def dead_letter_records(bootstrap: str, settings: Settings) -> list[object]:
     return records
 
 
+def _status(up: UpProcess) -> object:
+    """``up``'s status for a failure message, or why it could not be read."""
+    try:
+        return up.health()
+    except Exception as exc:  # the message must still be raised
+        return f"unreadable ({exc!r})"
+
+
 def test_a_10_mb_message_then_10000_events_are_all_committed_and_stored(tmp_path: Path):
     env = {**PIPELINE_ENV, "LOOPWATCH_DRAIN_TIMEOUT_S": str(DRAIN_TIMEOUT_S)}
     up = UpProcess(tmp_path / "data", env).start(180)
@@ -87,12 +95,19 @@ def test_a_10_mb_message_then_10000_events_are_all_committed_and_stored(tmp_path
             assert emitter.flush(60)
         assert emitter.stats.sent == RUNS * EVENTS_PER_RUN
 
+        seen: list[dict[int, tuple[int, int]]] = []
+
         def all_committed() -> dict[int, tuple[int, int]] | None:
             offsets = committed_and_ends(bootstrap, settings)
+            seen[:] = [offsets]
             return offsets if all(done == end for done, end in offsets.values()) else None
 
-        offsets = wait_for(lambda: all_committed(), 180, 1.0,
-                           what="the group's committed offsets at the topic's end")
+        try:
+            offsets = wait_for(all_committed, 180, 1.0,
+                               what="the group's committed offsets at the topic's end")
+        except AssertionError as exc:  # say which partitions lag, and what up says
+            raise AssertionError(f"{exc}; last (committed, end) by partition: {seen}; "
+                                 f"up's status: {_status(up)}") from None
         assert sum(end for _, end in offsets.values()) > 1
         reader = up.reader
         assert scalar(reader, "SELECT count() FROM events FINAL WHERE agent = {a:String}",

@@ -29,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,32 +48,45 @@ from loopwatch.store.sink import ClickHouseSink
 
 #: this bench, as ``python -m`` runs it (its children too)
 MODULE = "loopwatch.bench.store_stages"
-#: the variants, each with one more stage than the one before
-STAGES = ("runs", "events_in", "parse", "events", "all")
-#: the table views each variant keeps (``all``: every one); the parse view is kept from
-#: ``parse`` on
-_TABLE_VIEWS_KEPT = {"parse": (), "events": (tables.EVENTS,)}
-#: the tables whose rows each variant must have stored (the others must be empty)
-_STORED = {
-    "runs": (tables.RUNS,),
-    "events_in": (tables.RUNS,),
-    "parse": (tables.RUNS,),
-    "events": (tables.RUNS, tables.EVENTS),
-    "all": (tables.RUNS, tables.EVENTS, tables.LLM_CALLS, tables.TOOL_CALLS, tables.LABELS),
-}
-_CHECKED = (tables.RUNS, tables.EVENTS, tables.LLM_CALLS, tables.TOOL_CALLS, tables.LABELS)
+#: the tables a generated view writes (each view fills its own table)
 _TABLE_VIEW_TABLES = (tables.EVENTS, tables.LLM_CALLS, tables.TOOL_CALLS, tables.LABELS)
+#: the tables whose rows are counted after each variant
+_CHECKED = (tables.RUNS, *_TABLE_VIEW_TABLES)
 
 
-def _take_away(client: Any, stage: str) -> None:
+@dataclass(frozen=True)
+class Stage:
+    """What one variant keeps of the write path; the tables it fills follow from it
+    (``runs``, and the table of each view kept)."""
+
+    raw_events: bool
+    """the raw events are inserted into ``events_in``"""
+    parse_view: bool
+    """the view that parses them into ``events_parsed`` is kept"""
+    table_views: tuple[str, ...]
+    """the tables whose generated view is kept"""
+
+    @property
+    def stored(self) -> tuple[str, ...]:
+        return (tables.RUNS, *self.table_views)
+
+
+#: the variants, each with one more stage than the one before
+STAGES = {
+    "runs": Stage(raw_events=False, parse_view=False, table_views=()),
+    "events_in": Stage(raw_events=True, parse_view=False, table_views=()),
+    "parse": Stage(raw_events=True, parse_view=True, table_views=()),
+    "events": Stage(raw_events=True, parse_view=True, table_views=(tables.EVENTS,)),
+    "all": Stage(raw_events=True, parse_view=True, table_views=_TABLE_VIEW_TABLES),
+}
+
+
+def _take_away(client: Any, stage: Stage) -> None:
     """Drop the generated views ``stage`` goes without."""
-    if stage == "all":
-        return
-    kept = _TABLE_VIEWS_KEPT.get(stage, ())
     for table in _TABLE_VIEW_TABLES:
-        if table not in kept:
+        if table not in stage.table_views:
             client.command(f"DROP VIEW {event_views.view_name(table)}")
-    if stage in ("runs", "events_in"):
+    if not stage.parse_view:
         client.command(f"DROP VIEW {event_views.PARSE_VIEW}")
 
 
@@ -81,13 +95,13 @@ def measure(stage: str, messages_file: Path, data_dir: Path) -> dict[str, Any]:
     settings = Settings(data_dir=data_dir)
     messages = load_messages(messages_file, settings.events_topic)
     batches = prepare(messages, settings, ALTERNATIVES["views"])
-    if stage == "runs":
+    if not STAGES[stage].raw_events:
         for batch in batches:
             batch.tables.pop(tables.EVENTS_IN, None)
     events = int(sum(value.count(b'"event_type"') for value in
                      (message.value or b"" for message in messages)))
     client = migrate(settings)
-    _take_away(client, stage)
+    _take_away(client, STAGES[stage])
     sink = ClickHouseSink(client)
     started = time.process_time()
     for batch in batches:
@@ -101,7 +115,7 @@ def measure(stage: str, messages_file: Path, data_dir: Path) -> dict[str, Any]:
 
 def _check_rows(measured: dict[str, Any]) -> None:
     """Each variant stored rows in exactly the tables its stages write."""
-    stored = _STORED[measured["stage"]]
+    stored = STAGES[measured["stage"]].stored
     for table, count in measured["rows"].items():
         if (count > 0) != (table in stored):
             raise SystemExit(f"stage {measured['stage']}: {table} has {count} rows, "

@@ -355,14 +355,18 @@ class Emitter:
         """Queue one validated event; never blocks on the network."""
         if self._closed:
             raise RuntimeError("emitter is closed")
-        if not event.model_extra and all(
-                getattr(event, name) is None for name in free_text_fields(type(event))):
-            self._enqueue([(event.run_id, event.__pydantic_serializer__.to_json(
-                event, exclude_none=True))])
-            return
+        if not event.__pydantic_extra__:
+            fields = event.__dict__
+            for name in free_text_fields(type(event)):
+                if fields[name] is not None:
+                    break
+            else:  # nothing to redact
+                self._enqueue_one(event.run_id, event.__pydantic_serializer__.to_json(
+                    event, exclude_none=True))
+                return
         data = event.model_dump(mode="json", exclude_none=True)
         self._redact_fields(event, data)
-        self._enqueue([(event.run_id, exact_json(data))])
+        self._enqueue_one(event.run_id, exact_json(data))
 
     def _redact_fields(self, event: EventBase, data: dict[str, Any]) -> None:
         """Redact the strings of an event's extras and free-text fields in place."""
@@ -485,6 +489,25 @@ class Emitter:
             self.stats.sent += count
             self.stats.messages += 1
             self.stats.captures_sent += int(count == 0)
+
+    def _enqueue_one(self, run_id: str, line: bytes) -> None:
+        """:meth:`_enqueue` for one event, as :meth:`emit` calls it for every event:
+        without the list, the generator and the loops, which were a quarter of the
+        caller's cost of an emit (py-spy, the bench's 200k events)."""
+        if len(line) > self._max_message_bytes - ENVELOPE_OVERHEAD_BYTES:
+            self._enqueue([(run_id, line)])  # which refuses it, in its words
+            return
+        try:
+            self.spool.reserve(len(line) + 1)
+        except SpoolFull:
+            self.stats.refused += 1
+            raise
+        with self._outstanding_lock:
+            self._outstanding += 1
+        stats = self.stats
+        stats.queued += 1
+        stats.event_bytes += len(line)
+        self._queue.put((run_id, line))
 
     def _enqueue(self, items: list[Queued]) -> None:
         """Refuse an event that could never be sent (over a message) or that the spool

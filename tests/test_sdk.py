@@ -16,10 +16,10 @@ from pydantic import ValidationError
 from loopwatch.bench.pipeline import read_topic
 from loopwatch.core.embedded.broker import EmbeddedBroker, free_port
 from loopwatch.ingest.capture import assemble_part, blob_hash, part_hash
-from loopwatch.ingest.events import Step
+from loopwatch.ingest.events import LlmCall, Step
 from loopwatch.ingest.handoff import Handoff
 from loopwatch.ingest.sdk import Emitter, ToolTimeout, partition_for
-from loopwatch.ingest.wire import decode_message
+from loopwatch.ingest.wire import decode_message, message_value
 from loopwatch.processors.capture import parse_capture
 
 
@@ -226,6 +226,32 @@ def test_an_extra_integer_beyond_64_bits_is_sent_digit_for_digit(broker, tmp_pat
     events = decode_message(message.value, 10_000_000).events
     assert [(event.step, event.model_extra) for event in events] == [
         (1, {}), (2, {"order_id": big}), (3, {})]
+
+
+def test_emit_writes_plain_events_as_pydantic_does_and_redacts_the_others(
+        broker, tmp_path: Path):
+    """emit() has two routes: an event with nothing to redact is written by pydantic's
+    serializer as it is; one with free text or extras is dumped, redacted and encoded.
+    Each event's bytes on the topic are exactly what its route makes, in order."""
+    topic = f"sdk-{uuid.uuid4().hex[:8]}"
+    create_topic(broker.bootstrap, topic, partitions=1)
+    plain = Step(run_id="r", agent="a", step=1, tool="grep")
+    free_text = LlmCall(run_id="r", agent="a", error_type="mail ann.lee@example.com")
+    extra = Step(run_id="r", agent="a", step=2, note="ann.lee@example.com")
+    none_free = LlmCall(run_id="r", agent="a", error_type=None, stop_reason=None)
+    with Emitter(broker.bootstrap, topic, tmp_path) as emitter:
+        for event in (plain, free_text, extra, none_free):
+            emitter.emit(event)
+        assert emitter.flush(30)
+    (message,) = read_topic(broker.bootstrap, topic)
+    lines = [orjson.dumps(line) for line in orjson.loads(message.value)["events"]]
+    assert message.value == message_value(lines)  # each line as sent, byte for byte
+    assert lines[0] == plain.__pydantic_serializer__.to_json(plain, exclude_none=True)
+    assert lines[3] == none_free.__pydantic_serializer__.to_json(none_free, exclude_none=True)
+    assert orjson.loads(lines[1])["error_type"] == "mail [REDACTED:email]"
+    assert orjson.loads(lines[2])["note"] == "[REDACTED:email]"
+    assert (emitter.stats.queued, emitter.stats.sent) == (4, 4)
+    assert emitter.stats.event_bytes == sum(len(line) for line in lines)
 
 
 def test_invalid_fields_raise_at_the_call_site(broker, tmp_path: Path):

@@ -492,8 +492,9 @@ class Emitter:
 
     def _enqueue_one(self, run_id: str, line: bytes) -> None:
         """:meth:`_enqueue` for one event, as :meth:`emit` calls it for every event:
-        without the list, the generator and the loops, which were a quarter of the
-        caller's cost of an emit (py-spy, the bench's 200k events)."""
+        the same refusal, reservation and counters, without the one-item list and the
+        loops and sums over it (with those and the old free-text check, the caller's
+        thread spent 14.3-15.9 µs an emit of the bench's events, 13.2 without)."""
         if len(line) > self._max_message_bytes - ENVELOPE_OVERHEAD_BYTES:
             self._enqueue([(run_id, line)])  # which refuses it, in its words
             return

@@ -131,6 +131,8 @@ class DiskSpool:
         self.dropped = 0
         self.fsyncs = 0
         self._lock = threading.Lock()
+        #: held while the active segment's file is written or closed (before ``_lock``)
+        self._writing = threading.Lock()
         lock = _lock(self.directory)
         if lock is None:
             raise SpoolLocked(f"spool {self.directory} is held by another live emitter "
@@ -190,25 +192,45 @@ class DiskSpool:
     def append(self, lines: list[bytes], reserved: int = 0) -> Segment:
         """Write ``lines`` to the active segment with one write and one fsync; returns
         the segment, whose ``unconfirmed`` now counts them. ``reserved`` bytes held by
-        :meth:`reserve` become bytes on disk."""
+        :meth:`reserve` become bytes on disk.
+
+        The write and the fsync hold the writer's lock, not the accounting lock that
+        :meth:`reserve` takes for every event an agent emits: an agent's thread must
+        not wait for the disk (every emit waited behind the fsync of each sender
+        batch, a sixth of the emitter's rate). The lines are counted first, so a confirmation of the segment's
+        earlier records cannot find it empty and close it while they are written; a
+        failed write takes the count back."""
         data = b"".join(line + b"\n" for line in lines)
-        with self._lock:
-            segment = self._active_segment()
-            assert self._fd is not None
-            view = memoryview(data)
-            while view:
-                view = view[os.write(self._fd, view):]
-            if self.sync:
-                os.fsync(self._fd)
-                self.fsyncs += 1
-            self._reserved = max(0, self._reserved - reserved)
-            segment.size += len(data)
-            self._disk += len(data)
-            segment.records += len(lines)
-            segment.unconfirmed += len(lines)
-            if segment.size >= self.segment_bytes:
-                self._seal_active()
+        with self._writing:
+            with self._lock:
+                segment = self._active_segment()
+                fd = self._fd
+                assert fd is not None
+                self._count(segment, len(lines), len(data), reserved)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                if self.sync:
+                    os.fsync(fd)
+                    self.fsyncs += 1
+            except BaseException:
+                with self._lock:
+                    self._count(segment, -len(lines), -len(data), -reserved)
+                raise
+            with self._lock:
+                if segment is self._active and segment.size >= self.segment_bytes:
+                    self._seal_active()
             return segment
+
+    def _count(self, segment: Segment, records: int, nbytes: int, reserved: int) -> None:
+        """Add written records to ``segment`` and the disk total, moving ``reserved``
+        bytes out of the reservations (negative: take a failed write back)."""
+        self._reserved = max(0, self._reserved - reserved)
+        segment.size += nbytes
+        self._disk += nbytes
+        segment.records += records
+        segment.unconfirmed = max(0, segment.unconfirmed + records)
 
     def _active_segment(self) -> Segment:
         if self._active is None:
@@ -282,7 +304,7 @@ class DiskSpool:
         with self._lock:
             due = sorted(seq for seq, segment in self._segments.items() if segment.needs_resend)
         for seq in due:
-            with self._lock:
+            with self._writing, self._lock:
                 segment = self._segments.get(seq)
                 if segment is None or not segment.needs_resend:
                     continue
@@ -368,7 +390,7 @@ class DiskSpool:
 
     def close(self, remove_if_empty: bool = False) -> None:
         """Release the folder (what is unconfirmed stays for the next emitter)."""
-        with self._lock:
+        with self._writing, self._lock:
             self._seal_active()
             for segment in list(self._segments.values()):
                 if segment.records == 0:

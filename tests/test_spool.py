@@ -10,6 +10,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,6 +69,67 @@ def test_the_emitter_writes_ahead_in_batches_not_per_event(tmp_path: Path, fsync
     assert len(DiskSpool(tmp_path / "spool", 1 << 30).records()) == 20_000
     assert [record.getMessage().split(" (")[0] for record in caplog.records
             if record.name == "loopwatch.ingest.sdk"] == ["broker unavailable"]
+
+
+@pytest.fixture()
+def slow_disk(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """os.fsync held until the test releases it: a disk slower than any here (a
+    mock, as a slow disk cannot be made on demand). Yields (in fsync, release)."""
+    entered, release = threading.Event(), threading.Event()
+    real = os.fsync
+
+    def held(descriptor: int) -> None:
+        entered.set()
+        assert release.wait(60), "the test never released the fsync"
+        real(descriptor)
+
+    monkeypatch.setattr(os, "fsync", held)
+    yield entered, release
+    release.set()
+
+
+def test_an_agent_reserving_room_never_waits_for_the_spools_fsync(
+        tmp_path: Path, slow_disk: tuple[threading.Event, threading.Event]):
+    """Every emit reserves room in the spool; the sender's write and fsync of a batch
+    must not hold the lock that takes, and a confirmation of the segment's earlier
+    records during the write must not find it empty (and close it under the write)."""
+    entered, release = slow_disk
+    spool = DiskSpool(tmp_path / "s", 10 << 20)
+    release.set()
+    first = spool.append(lines(3))
+    release.clear()
+    entered.clear()
+    writer = threading.Thread(target=spool.append, args=(lines(4, 3),))
+    writer.start()
+    assert entered.wait(30)  # the second batch is in its fsync, held
+    reserved = threading.Thread(target=spool.reserve, args=(100,))
+    reserved.start()
+    reserved.join(30)
+    assert not reserved.is_alive()  # done while the fsync is still held
+    assert spool.confirm(first.seq, first.generation, 3)  # the first batch, confirmed
+    assert writer.is_alive()
+    release.set()
+    writer.join(30)
+    assert spool.records() == lines(7)  # the segment was not deleted under the write
+    assert (spool.unconfirmed(), spool.used()) == (4, spool.size() + 100)
+    spool.close()
+
+
+def test_a_failed_write_takes_its_count_back(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch):
+    spool = DiskSpool(tmp_path / "s", 10 << 20)
+    spool.append(lines(2))
+    before = (spool.unconfirmed(), spool.size(), spool.used())
+    spool.reserve(50)
+
+    def full(descriptor: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space"):
+        spool.append(lines(3, 2), reserved=50)
+    assert (spool.unconfirmed(), spool.size(), spool.used() - 50) == before
+    spool.close()
 
 
 def test_a_line_torn_by_a_crash_stays_a_record_of_its_own(tmp_path: Path):

@@ -197,9 +197,9 @@ class DiskSpool:
         The write and the fsync hold the writer's lock, not the accounting lock that
         :meth:`reserve` takes for every event an agent emits: an agent's thread must
         not wait for the disk (every emit waited behind the fsync of each sender
-        batch, a sixth of the emitter's rate). The lines are counted first, so a confirmation of the segment's
-        earlier records cannot find it empty and close it while they are written; a
-        failed write takes the count back."""
+        batch, a sixth of the emitter's rate). The lines are counted first, so a
+        confirmation of the segment's earlier records cannot find it empty and close
+        it while they are written; a failed write takes the count back."""
         data = b"".join(line + b"\n" for line in lines)
         with self._writing:
             with self._lock:

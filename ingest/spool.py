@@ -257,22 +257,30 @@ class DiskSpool:
 
     def confirm(self, seq: int, generation: int, records: int) -> bool:
         """``records`` of segment ``seq`` sent in ``generation`` are confirmed; a segment
-        with nothing left unconfirmed is deleted. False when the confirmation is stale."""
+        with nothing left unconfirmed is deleted. False when the confirmation is stale.
+        Its file is unlinked after the accounting lock is let go: removing a full
+        segment (16 MB) waits for the disk, and every emit takes that lock."""
         with self._lock:
             segment = self._segments.get(seq)
             if segment is None or segment.generation != generation:
                 return False
             segment.unconfirmed = max(0, segment.unconfirmed - records)
-            if segment.unconfirmed == 0 and not segment.needs_resend:
-                self._delete(segment)
-            return True
+            if segment.unconfirmed != 0 or segment.needs_resend:
+                return True
+            self._forget(segment)
+        segment.path.unlink(missing_ok=True)
+        return True
 
     def _delete(self, segment: Segment) -> None:
+        self._forget(segment)
+        segment.path.unlink(missing_ok=True)
+
+    def _forget(self, segment: Segment) -> None:
+        """Drop ``segment`` from the spool (sealed first if active); its file stays."""
         if segment is self._active:
             self._seal_active()
         del self._segments[segment.seq]
         self._disk -= segment.size
-        segment.path.unlink(missing_ok=True)
 
     def mark_resend(self, seq: int, generation: int) -> None:
         """A send of this segment's records (in ``generation``) failed: resend it all."""

@@ -115,6 +115,41 @@ def test_an_agent_reserving_room_never_waits_for_the_spools_fsync(
     spool.close()
 
 
+def test_an_agent_reserving_room_never_waits_for_a_confirmed_segments_removal(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A confirmed segment is dropped from the accounting at once and its file removed
+    after the lock every emit takes is let go (the unlink is held here: a mock of a
+    slow disk)."""
+    entered, release = threading.Event(), threading.Event()
+    real = Path.unlink
+
+    def held(self: Path, missing_ok: bool = False) -> None:
+        if self.name.startswith("seg-"):
+            entered.set()
+            assert release.wait(60), "the test never released the unlink"
+        real(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", held)
+    spool = DiskSpool(tmp_path / "s", 10 << 20)
+    segment = spool.append(lines(3))
+    confirmer = threading.Thread(target=spool.confirm,
+                                 args=(segment.seq, segment.generation, 3))
+    try:
+        confirmer.start()
+        assert entered.wait(30)  # the segment's file is being removed, held
+        reserved = threading.Thread(target=spool.reserve, args=(100,))
+        reserved.start()
+        reserved.join(30)
+        assert not reserved.is_alive()  # done while the unlink is still held
+        assert (spool.size(), spool.used(), spool.unconfirmed()) == (0, 100, 0)
+    finally:
+        release.set()
+        confirmer.join(30)
+    assert not segment.path.exists()
+    assert spool.records() == []
+    spool.close()
+
+
 def test_a_failed_write_takes_its_count_back(tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch):
     spool = DiskSpool(tmp_path / "s", 10 << 20)

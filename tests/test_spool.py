@@ -12,8 +12,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -71,44 +72,58 @@ def test_the_emitter_writes_ahead_in_batches_not_per_event(tmp_path: Path, fsync
             if record.name == "loopwatch.ingest.sdk"] == ["broker unavailable"]
 
 
+class Held:
+    """``owner.name`` made to wait, once called (with arguments ``applies`` accepts),
+    until the test sets ``release``: a mock of a slow disk, which cannot be made on
+    demand here. ``entered`` is set when a call waits."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, owner: object, name: str,
+                 applies: Callable[..., bool] = lambda *args: True) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+        real = getattr(owner, name)
+
+        def held(*args: Any, **kwargs: Any) -> Any:
+            if applies(*args):
+                self.entered.set()
+                assert self.release.wait(60), f"the test never released {name}"
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, held)
+
+
+def reserves_meanwhile(spool: DiskSpool) -> bool:
+    """Whether a reserve (the lock every emit takes) completes within 30 s."""
+    reserving = threading.Thread(target=spool.reserve, args=(100,))
+    reserving.start()
+    reserving.join(30)
+    return not reserving.is_alive()
+
+
 @pytest.fixture()
-def slow_disk(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Event, threading.Event]]:
-    """os.fsync held until the test releases it: a disk slower than any here (a
-    mock, as a slow disk cannot be made on demand). Yields (in fsync, release)."""
-    entered, release = threading.Event(), threading.Event()
-    real = os.fsync
-
-    def held(descriptor: int) -> None:
-        entered.set()
-        assert release.wait(60), "the test never released the fsync"
-        real(descriptor)
-
-    monkeypatch.setattr(os, "fsync", held)
-    yield entered, release
-    release.set()
+def slow_disk(monkeypatch: pytest.MonkeyPatch) -> Iterator[Held]:
+    """os.fsync held until the test releases it."""
+    fsync = Held(monkeypatch, os, "fsync")
+    yield fsync
+    fsync.release.set()
 
 
 def test_an_agent_reserving_room_never_waits_for_the_spools_fsync(
-        tmp_path: Path, slow_disk: tuple[threading.Event, threading.Event]):
+        tmp_path: Path, slow_disk: Held):
     """Every emit reserves room in the spool; the sender's write and fsync of a batch
     must not hold the lock that takes, and a confirmation of the segment's earlier
     records during the write must not find it empty (and close it under the write)."""
-    entered, release = slow_disk
     spool = DiskSpool(tmp_path / "s", 10 << 20)
-    release.set()
+    slow_disk.release.set()
     first = spool.append(lines(3))
-    release.clear()
-    entered.clear()
+    slow_disk.release.clear()
+    slow_disk.entered.clear()
     writer = threading.Thread(target=spool.append, args=(lines(4, 3),))
     writer.start()
-    assert entered.wait(30)  # the second batch is in its fsync, held
-    reserved = threading.Thread(target=spool.reserve, args=(100,))
-    reserved.start()
-    reserved.join(30)
-    assert not reserved.is_alive()  # done while the fsync is still held
+    assert slow_disk.entered.wait(30)  # the second batch is in its fsync, held
+    assert reserves_meanwhile(spool)
     assert spool.confirm(first.seq, first.generation, 3)  # the first batch, confirmed
     assert writer.is_alive()
-    release.set()
+    slow_disk.release.set()
     writer.join(30)
     assert spool.records() == lines(7)  # the segment was not deleted under the write
     assert (spool.unconfirmed(), spool.used()) == (4, spool.size() + 100)
@@ -118,32 +133,19 @@ def test_an_agent_reserving_room_never_waits_for_the_spools_fsync(
 def test_an_agent_reserving_room_never_waits_for_a_confirmed_segments_removal(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """A confirmed segment is dropped from the accounting at once and its file removed
-    after the lock every emit takes is let go (the unlink is held here: a mock of a
-    slow disk)."""
-    entered, release = threading.Event(), threading.Event()
-    real = Path.unlink
-
-    def held(self: Path, missing_ok: bool = False) -> None:
-        if self.name.startswith("seg-"):
-            entered.set()
-            assert release.wait(60), "the test never released the unlink"
-        real(self, missing_ok=missing_ok)
-
-    monkeypatch.setattr(Path, "unlink", held)
+    after the lock every emit takes is let go (the unlink is held)."""
+    unlink = Held(monkeypatch, Path, "unlink", lambda path: path.name.startswith("seg-"))
     spool = DiskSpool(tmp_path / "s", 10 << 20)
     segment = spool.append(lines(3))
     confirmer = threading.Thread(target=spool.confirm,
                                  args=(segment.seq, segment.generation, 3))
     try:
         confirmer.start()
-        assert entered.wait(30)  # the segment's file is being removed, held
-        reserved = threading.Thread(target=spool.reserve, args=(100,))
-        reserved.start()
-        reserved.join(30)
-        assert not reserved.is_alive()  # done while the unlink is still held
+        assert unlink.entered.wait(30)  # the segment's file is being removed, held
+        assert reserves_meanwhile(spool)
         assert (spool.size(), spool.used(), spool.unconfirmed()) == (0, 100, 0)
     finally:
-        release.set()
+        unlink.release.set()
         confirmer.join(30)
     assert not segment.path.exists()
     assert spool.records() == []
